@@ -1,0 +1,25 @@
+"""The algorithm registry, in the reference's detection order (lycoris.modules.get_module): first match wins.
+
+A module's weight is patched by the first algorithm in WEIGHT_ALGORITHMS whose marker key it has; its bias by every
+algorithm in BIAS_ALGORITHMS whose marker it has.
+"""
+
+from . import boft, full, glora, ia3, loha, lokr, locon, oft
+from .base import Algorithm, Layout, ShapeError, Tensors
+
+WEIGHT_ALGORITHMS: tuple[Algorithm, ...] = (
+    locon.ALGORITHM,
+    loha.ALGORITHM,
+    ia3.ALGORITHM,
+    lokr.ALGORITHM,
+    full.FULL,
+    full.NORM,
+    oft.ALGORITHM,
+    boft.ALGORITHM,
+    glora.ALGORITHM,
+    oft.OLD_ALGORITHM,
+)
+BIAS_ALGORITHMS: tuple[Algorithm, ...] = (full.FULL_BIAS, full.NORM_BIAS)
+BY_NAME: dict[str, Algorithm] = {a.name: a for a in WEIGHT_ALGORITHMS + BIAS_ALGORITHMS}
+
+__all__ = ["Algorithm", "Layout", "ShapeError", "Tensors", "WEIGHT_ALGORITHMS", "BIAS_ALGORITHMS", "BY_NAME"]

@@ -1,0 +1,95 @@
+"""What every algorithm file provides, and the shape facts they share.
+
+An algorithm is declared as data (`Algorithm`): the tensor suffixes it reads, the marker key that selects it, and
+three small functions:
+
+* ``layout(t, alpha) -> Layout``: checks the tensors agree with each other and derives rank, scale and the weight
+  shape they imply. Runs once, when the file is loaded; raises `ShapeError`.
+* ``diff_weight(t, layout, W) -> ΔW``: for additive algorithms, the full-strength change (scale applied once), so
+  W' = W + m·ΔW. DoRA wraps this.
+* ``merged(t, layout, W, m, reference) -> W'``: for algorithms that are not additive (OFT, BOFT); `reference` picks
+  LyCORIS' own multiplier semantics instead of the linear W + m·(W'(1) − W).
+
+`t` maps canonical suffixes to tensors already cast to W's device and the compute dtype (see casting.py).
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+
+
+class ShapeError(ValueError):
+    """Tensors of one module that do not fit each other or the target weight; `key` is the suffix at fault."""
+
+    def __init__(self, reason: str, key: str | None = None):
+        self.reason, self.key = reason, key
+        super().__init__(reason)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Facts read from a module's shapes. `out`, `flat_in` and `shape` constrain the target weight."""
+
+    rank: Optional[int]
+    scale: float
+    out: int
+    flat_in: Optional[int] = None  # prod(W.shape[1:]) when the file pins it
+    shape: Optional[tuple[int, ...]] = None  # the full W shape when the file pins it
+
+    def resolve(self, weight_shape: tuple[int, ...]) -> "Layout":
+        """This layout for a concrete target weight, or ShapeError saying why it does not fit."""
+        wanted = self.shape or (self.out, self.flat_in if self.flat_in is not None else "…")
+        mismatch = ShapeError(f"module is for a weight of shape {list(wanted)}, the model's is {list(weight_shape)}")
+        if self.shape is not None and tuple(weight_shape) != tuple(self.shape):
+            raise mismatch
+        if not weight_shape or weight_shape[0] != self.out:
+            raise mismatch
+        if self.flat_in is not None and math.prod(weight_shape[1:]) != self.flat_in:
+            raise mismatch
+        return self
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str  # stable id, e.g. "lokr"
+    label: str  # what users read, e.g. "LoKr"
+    markers: tuple[str, ...]  # suffixes whose presence selects this algorithm
+    keys: tuple[str, ...]  # every tensor suffix it may read (alpha and dora_scale are handled for all)
+    layout: Callable[[Tensors, Optional[float]], Layout]
+    diff_weight: Optional[Callable[[Tensors, Layout, torch.Tensor], torch.Tensor]] = None
+    merged: Optional[Callable[[Tensors, Layout, torch.Tensor, float, bool], torch.Tensor]] = None
+    marker_ndim: Optional[int] = None  # oft_blocks: 3-D is diag-OFT, 4-D is BOFT
+    param: str = "weight"  # which parameter of the target layer it patches
+    supports_dora: bool = False
+    uses_alpha: bool = True
+
+    def matches(self, t: Tensors) -> bool:
+        found = [t[m] for m in self.markers if m in t]
+        return bool(found) and (self.marker_ndim is None or found[0].ndim == self.marker_ndim)
+
+
+def scale_from_alpha(alpha: Optional[float], rank: int) -> float:
+    """s = alpha / r; a missing alpha (or 0, as trainers write for 'unset') means alpha = r."""
+    if alpha is None or alpha == 0:
+        return 1.0
+    return alpha / rank
+
+
+def require(t: Tensors, *names: str) -> list[torch.Tensor]:
+    missing = [n for n in names if n not in t]
+    if missing:
+        raise ShapeError(f"missing {', '.join(missing)}", missing[0])
+    return [t[n] for n in names]
+
+
+def expect(condition: bool, reason: str, key: str | None = None) -> None:
+    if not condition:
+        raise ShapeError(reason, key)
+
+
+def trailing_ones(t: torch.Tensor, start: int) -> bool:
+    return all(d == 1 for d in t.shape[start:])

@@ -1,0 +1,30 @@
+"""Full and Norm: the file holds the difference itself.
+
+    Full:  W' = W + m·diff,    b' = b + m·diff_b
+    Norm:  γ' = γ + m·w_norm,  β' = β + m·b_norm          (LayerNorm/GroupNorm with train_norm)
+
+The bias parts patch the layer's `bias` and are separate modules for patching purposes.
+"""
+
+import torch
+
+from .base import Algorithm, Layout, Tensors, require
+
+
+def _difference(key: str, param: str, label: str) -> Algorithm:
+    def layout(t: Tensors, alpha: float | None) -> Layout:
+        (diff,) = require(t, key)
+        return Layout(None, 1.0, diff.shape[0] if diff.ndim else 1, shape=tuple(diff.shape))
+
+    def diff_weight(t: Tensors, lay: Layout, weight: torch.Tensor) -> torch.Tensor:
+        return t[key]
+
+    name = key.replace("_", "-")
+    return Algorithm(name=name, label=label, markers=(key,), keys=(key,), layout=layout,
+                     diff_weight=diff_weight, param=param, uses_alpha=False)
+
+
+FULL = _difference("diff", "weight", "Full")
+FULL_BIAS = _difference("diff_b", "bias", "Full (bias)")
+NORM = _difference("w_norm", "weight", "Norm")
+NORM_BIAS = _difference("b_norm", "bias", "Norm (bias)")

@@ -1,0 +1,81 @@
+"""GLoRA: a low-rank change that also acts on the current weight.
+
+    New layout (LyCORIS ≥ 3.0): a1 (in, r), a2 (r, in), b1 (out, r), b2 (r, in·∏k)   [conv: trailing 1s / kernel]
+        ΔW = s · ( W ×_in (A₁A₂) + (B₁B₂).reshape(W.shape) ),  W ×_in M = einsum("oi…,ij->oj…", W, M)
+    Old layout (LyCORIS 1.x–2.x, Linear and 1×1 conv): a1 (r, in), a2 (in, r), b1 (r, in), b2 (out, r)
+        ΔW = s · ( W A₂A₁ + B₂B₁ )
+    s = alpha / r.
+
+The layouts are told apart by shape. Both can fit a square weight, so the choice is made against the target weight
+(`resolve`); only r == in == out stays ambiguous, and then the current (new) layout is assumed. ΔW depends on W as it
+stands when the patch is computed, so stacked patches apply in order.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Algorithm, Layout, ShapeError, Tensors, require, scale_from_alpha
+
+A1, A2, B1, B2 = "a1.weight", "a2.weight", "b1.weight", "b2.weight"
+
+
+@dataclass(frozen=True)
+class GLoRALayout(Layout):
+    old: bool = False
+    in_channels: int = 0
+    candidates: tuple["GLoRALayout", ...] = ()  # unresolved: the layouts the shapes allow, new first
+
+    def resolve(self, weight_shape: tuple[int, ...]) -> Layout:
+        reasons = []
+        for candidate in self.candidates or (self,):
+            try:
+                Layout.resolve(candidate, weight_shape)
+            except ShapeError as e:
+                reasons.append(e.reason)
+                continue
+            if len(weight_shape) > 1 and weight_shape[1] == candidate.in_channels:
+                return candidate
+            reasons.append(f"a1 is for {candidate.in_channels} input channels, the weight has {weight_shape[1]}")
+        raise ShapeError("; ".join(reasons), A1)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0], -1)
+
+
+def layout(t: Tensors, alpha: float | None) -> Layout:
+    a1, a2, b1, b2 = (_flat(x) for x in require(t, A1, A2, B1, B2))
+    candidates = []
+    if a2.shape[0] == b2.shape[0] == a1.shape[1] == b1.shape[1] and a1.shape[0] == a2.shape[1]:
+        rank = a2.shape[0]
+        candidates.append(GLoRALayout(rank, scale_from_alpha(alpha, rank), b1.shape[0], b2.shape[1],
+                                      old=False, in_channels=a1.shape[0]))
+    if (a1.shape[0] == b1.shape[0] == a2.shape[1] == b2.shape[1] and a2.shape[0] == a1.shape[1] == b1.shape[1]
+            and t[B2].ndim == 2):
+        rank = a1.shape[0]
+        candidates.append(GLoRALayout(rank, scale_from_alpha(alpha, rank), b2.shape[0], b1.shape[1],
+                                      old=True, in_channels=a2.shape[0]))
+    if not candidates:
+        raise ShapeError(f"GLoRA factors disagree: a1 {list(t[A1].shape)}, a2 {list(t[A2].shape)}, "
+                         f"b1 {list(t[B1].shape)}, b2 {list(t[B2].shape)}", A1)
+    if len(candidates) == 1:
+        return candidates[0]
+    first = candidates[0]
+    return GLoRALayout(first.rank, first.scale, first.out, first.flat_in, candidates=tuple(candidates))
+
+
+def diff_weight(t: Tensors, lay: GLoRALayout, weight: torch.Tensor) -> torch.Tensor:
+    a1, a2, b1, b2 = (_flat(t[k]) for k in (A1, A2, B1, B2))
+    if lay.old:
+        mix_in, low_rank = a2 @ a1, b2 @ b1
+    else:
+        mix_in, low_rank = a1 @ a2, b1 @ b2
+    acting_on_w = torch.einsum("oi...,ij->oj...", weight, mix_in)
+    return (acting_on_w + low_rank.reshape(weight.shape)) * lay.scale
+
+
+ALGORITHM = Algorithm(
+    name="glora", label="GLoRA", markers=(A1,), keys=(A1, A2, B1, B2),
+    layout=layout, diff_weight=diff_weight,
+)

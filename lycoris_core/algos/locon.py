@@ -1,0 +1,49 @@
+"""LoRA / LoCon (also DyLoRA files, which are plain LoRA files).
+
+    ΔW = s · (U₂ D₂).reshape(W.shape),       U₂ = up.reshape(out, r), D₂ = down.reshape(r, -1), s = alpha / r
+    Tucker (lora_mid, conv with k > 1):
+    ΔW[o, n, …] = s · Σᵢⱼ mid[i, j, …] U₂[o, i] D₂[j, n]
+
+`down` keeps in/groups channels, so grouped convolutions need nothing special. LyCORIS' DyLoRA stores a conv `up`
+as 2-D (out, r); any up whose trailing dims are 1 reads the same way.
+"""
+
+import math
+
+import torch
+
+from .base import Algorithm, Layout, Tensors, expect, require, scale_from_alpha, trailing_ones
+
+UP, DOWN, MID = "lora_up.weight", "lora_down.weight", "lora_mid.weight"
+
+
+def layout(t: Tensors, alpha: float | None) -> Layout:
+    up, down = require(t, UP, DOWN)
+    expect(up.ndim >= 2 and down.ndim >= 2, "lora_up/lora_down must have at least 2 dims", UP)
+    rank = down.shape[0]
+    expect(rank > 0 and up.shape[1] == rank and trailing_ones(up, 2),
+           f"lora_up {list(up.shape)} does not match lora_down {list(down.shape)} (rank {rank})", UP)
+    mid = t.get(MID)
+    if mid is None:
+        shape = (up.shape[0], *down.shape[1:]) if down.ndim > 2 else None
+        return Layout(rank, scale_from_alpha(alpha, rank), up.shape[0], math.prod(down.shape[1:]), shape)
+    expect(mid.ndim >= 3 and mid.shape[:2] == (rank, rank) and trailing_ones(down, 2),
+           f"lora_mid {list(mid.shape)} does not match rank {rank} with lora_down {list(down.shape)}", MID)
+    shape = (up.shape[0], down.shape[1], *mid.shape[2:])
+    return Layout(rank, scale_from_alpha(alpha, rank), up.shape[0], math.prod(shape[1:]), shape)
+
+
+def diff_weight(t: Tensors, lay: Layout, weight: torch.Tensor) -> torch.Tensor:
+    up = t[UP].reshape(lay.out, lay.rank)
+    down = t[DOWN].reshape(lay.rank, -1)
+    if MID in t:
+        delta = torch.einsum("ij...,oi,jn->on...", t[MID], up, down)
+    else:
+        delta = up @ down
+    return (delta * lay.scale).reshape(weight.shape)
+
+
+ALGORITHM = Algorithm(
+    name="locon", label="LoCon", markers=(UP,), keys=(UP, DOWN, MID),
+    layout=layout, diff_weight=diff_weight, supports_dora=True,
+)

@@ -1,0 +1,98 @@
+"""Diag-OFT: an orthogonal rotation of the weight's output rows, block by block.
+
+    Q = B − Bᵀ per block;  if C > 0: Q ← Q · min(1, C / (‖Q‖_F + 1e-8))   (norm over all blocks, C = alpha · out)
+    R = (I + Q)(I − Q)⁻¹                                                   (Cayley, fp32 or wider)
+    W'_k = ρ_k ⊙ (R_kᵀ W_k),   W_k = W[k·b:(k+1)·b]                        (ρ = optional `rescale`)
+
+Multiplier: linear (W + m·(W'(1) − W)) or LyCORIS' reference R ← I + m(R − I), rescale not interpolated.
+Old LyCORIS 2.0 files store R itself as `oft_diag` (rescale already folded in); they use the same rotation.
+The clamp is a tensor op, not a Python branch, so computing a patch never reads a value back to the host.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Algorithm, Layout, Tensors, expect, require
+
+BLOCKS, RESCALE, OLD_R = "oft_blocks", "rescale", "oft_diag"
+
+
+@dataclass(frozen=True)
+class OFTLayout(Layout):
+    blocks: int = 0
+    block_size: int = 0
+    constraint: float = 0.0  # C = alpha · out; 0 means unconstrained
+
+
+def _check_rescale(t: Tensors, out: int) -> None:
+    if RESCALE in t:
+        expect(t[RESCALE].numel() == out, f"rescale has {t[RESCALE].numel()} values for {out} output rows", RESCALE)
+
+
+def layout(t: Tensors, alpha: float | None) -> Layout:
+    (blocks,) = require(t, BLOCKS)
+    n, b = blocks.shape[0], blocks.shape[1]
+    expect(blocks.ndim == 3 and blocks.shape[2] == b, f"oft_blocks must be (n, b, b), got {list(blocks.shape)}", BLOCKS)
+    _check_rescale(t, n * b)
+    return OFTLayout(None, 1.0, n * b, blocks=n, block_size=b, constraint=(alpha or 0.0) * n * b)
+
+
+def layout_old(t: Tensors, alpha: float | None) -> Layout:
+    (rotation,) = require(t, OLD_R)
+    n, b = rotation.shape[0], rotation.shape[1]
+    expect(rotation.ndim == 3 and rotation.shape[2] == b, f"oft_diag must be (n, b, b), got {list(rotation.shape)}", OLD_R)
+    return OFTLayout(None, 1.0, n * b, blocks=n, block_size=b)
+
+
+def cayley(blocks: torch.Tensor, constraint: float) -> torch.Tensor:
+    """R = (I+Q)(I−Q)⁻¹ for Q = B − Bᵀ, optionally clamped to ‖Q‖_F ≤ C; works for (…, b, b) stacks."""
+    q = blocks - blocks.transpose(-1, -2)
+    if constraint > 0:
+        q = q * torch.clamp(constraint / (torch.linalg.vector_norm(q) + 1e-8), max=1.0)
+    eye = torch.eye(q.shape[-1], device=q.device, dtype=q.dtype)
+    return (eye + q) @ torch.linalg.inv(eye - q)
+
+
+def interpolate(rotation: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """I + m(R − I): LyCORIS' reference multiplier for orthogonal factors."""
+    eye = torch.eye(rotation.shape[-1], device=rotation.device, dtype=rotation.dtype)
+    return eye + multiplier * (rotation - eye)
+
+
+def rotate_rows(rotation: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """W'_k = R_kᵀ W_k for each block k of output rows."""
+    n, b = rotation.shape[0], rotation.shape[1]
+    rows = weight.reshape(n, b, *weight.shape[1:])
+    return torch.einsum("knm,kn...->km...", rotation, rows).reshape(weight.shape)
+
+
+def _rescaled(t: Tensors, weight: torch.Tensor) -> torch.Tensor:
+    if RESCALE not in t:
+        return weight
+    return weight * t[RESCALE].reshape(weight.shape[0], *([1] * (weight.ndim - 1)))
+
+
+def _merged(rotation: torch.Tensor, t: Tensors, weight: torch.Tensor, m: float, reference: bool) -> torch.Tensor:
+    if reference:
+        return _rescaled(t, rotate_rows(interpolate(rotation, m), weight))
+    full = _rescaled(t, rotate_rows(rotation, weight))
+    return weight + m * (full - weight)
+
+
+def merged(t: Tensors, lay: OFTLayout, weight: torch.Tensor, m: float, reference: bool) -> torch.Tensor:
+    return _merged(cayley(t[BLOCKS], lay.constraint), t, weight, m, reference)
+
+
+def merged_old(t: Tensors, lay: OFTLayout, weight: torch.Tensor, m: float, reference: bool) -> torch.Tensor:
+    return _merged(t[OLD_R], t, weight, m, reference)
+
+
+ALGORITHM = Algorithm(
+    name="diag-oft", label="Diag-OFT", markers=(BLOCKS,), marker_ndim=3, keys=(BLOCKS, RESCALE),
+    layout=layout, merged=merged,
+)
+OLD_ALGORITHM = Algorithm(
+    name="oft-diag-v2", label="Diag-OFT (LyCORIS 2.0)", markers=(OLD_R,), keys=(OLD_R,),
+    layout=layout_old, merged=merged_old, uses_alpha=False,
+)

@@ -1,0 +1,55 @@
+"""Key names: which suffixes we know, the aliases other trainers use for them, and how keys group into modules.
+
+A key is `<module prefix><separator><suffix>`. LyCORIS/kohya prefixes have no dots (`lora_unet_…_to_q.lora_up.weight`),
+diffusers/PEFT ones do (`transformer.blocks.0.attn.to_q.lora_B.weight`), so a key is split at the longest known
+suffix rather than at a dot.
+"""
+
+from .algos import BIAS_ALGORITHMS, WEIGHT_ALGORITHMS
+
+ALPHA, DORA_SCALE = "alpha", "dora_scale"
+
+# Other writers' names for LoRA factors and DoRA magnitudes -> our canonical suffix.
+ALIASES: dict[str, str] = {
+    "lora_B.weight": "lora_up.weight",
+    "lora_A.weight": "lora_down.weight",
+    "lora.up.weight": "lora_up.weight",
+    "lora.down.weight": "lora_down.weight",
+    "lora_linear_layer.up.weight": "lora_up.weight",
+    "lora_linear_layer.down.weight": "lora_down.weight",
+    "lora_B.default.weight": "lora_up.weight",
+    "lora_A.default.weight": "lora_down.weight",
+    "lora_B": "lora_up.weight",
+    "lora_A": "lora_down.weight",
+    "lora_magnitude_vector": DORA_SCALE,
+}
+# diffusers' attention-processor LoRA joins the suffix with "_" instead of ".": `to_q_lora.up.weight`.
+UNDERSCORE_ALIASES: dict[str, str] = {
+    "lora.up.weight": "lora_up.weight",
+    "lora.down.weight": "lora_down.weight",
+}
+
+
+def _canonical_suffixes() -> set[str]:
+    names = {ALPHA, DORA_SCALE}
+    for algorithm in WEIGHT_ALGORITHMS + BIAS_ALGORITHMS:
+        names.update(algorithm.keys)
+        names.update(algorithm.markers)
+    return names
+
+
+# (separator + suffix as written, canonical suffix), longest first so `lora_up.weight` wins over `weight`.
+_SPLITS: tuple[tuple[str, str], ...] = tuple(sorted(
+    [("." + s, s) for s in _canonical_suffixes()]
+    + [("." + alias, canonical) for alias, canonical in ALIASES.items()]
+    + [("_" + alias, canonical) for alias, canonical in UNDERSCORE_ALIASES.items()],
+    key=lambda pair: -len(pair[0]),
+))
+
+
+def split_key(key: str) -> tuple[str, str] | None:
+    """(module prefix, canonical suffix), or None when the key ends in no suffix we know."""
+    for written, canonical in _SPLITS:
+        if key.endswith(written) and len(key) > len(written):
+            return key[: -len(written)], canonical
+    return None

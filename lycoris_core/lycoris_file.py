@@ -1,0 +1,88 @@
+"""A whole LyCORIS file: keys grouped into modules, every tensor checked once, at load.
+
+Checking everything at load (internal shapes, finite values) is what lets patch computation be unable to fail:
+ComfyUI does not roll back a patch that raises half-way, and clones share one module.
+"""
+
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from .errors import LycorisError
+from .keys import split_key
+from .module import Module, build_modules
+from .safetensors_file import SafetensorsFile
+
+
+@dataclass(frozen=True)
+class UnusedKey:
+    key: str
+    reason: str
+
+
+@dataclass
+class LycorisFile:
+    name: str
+    modules: dict[str, Module]  # "<prefix>.<param>" -> module, in file order
+    unused: list[UnusedKey] = field(default_factory=list)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def algorithms(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for module in self.modules.values():
+            counts[module.label] = counts.get(module.label, 0) + 1
+        return counts
+
+
+def group_keys(state_dict: Mapping[str, torch.Tensor], file: str | None = None
+               ) -> tuple[dict[str, dict[str, torch.Tensor]], list[UnusedKey]]:
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    unknown = []
+    for key, tensor in state_dict.items():
+        split = split_key(key)
+        if split is None:
+            unknown.append(UnusedKey(key, "not a key of any LyCORIS algorithm"))
+            continue
+        prefix, suffix = split
+        group = groups.setdefault(prefix, {})
+        if suffix in group:
+            raise LycorisError(f"two keys of module '{prefix}' mean the same '{suffix}'", file=file, key=key)
+        group[suffix] = tensor
+    return groups, unknown
+
+
+def check_values(state_dict: Mapping[str, torch.Tensor], file: str | None = None) -> None:
+    """NaN or Inf anywhere would poison the whole weight it patches; refuse the file and say where."""
+    for key, tensor in state_dict.items():
+        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise LycorisError(f"{bad} of {tensor.numel()} values are NaN or Inf; the file is damaged", file=file,
+                               key=key)
+
+
+def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state dict>",
+                     metadata: Mapping[str, str] | None = None) -> LycorisFile:
+    if not state_dict:
+        raise LycorisError("the file holds no tensors", file=name)
+    check_values(state_dict, name)
+    groups, unused = group_keys(state_dict, name)
+    modules: dict[str, Module] = {}
+    for prefix, group in groups.items():
+        built, leftover = build_modules(prefix, group, name)
+        reason = f"not read by {built[0].label}" if built else "no LyCORIS algorithm uses this combination of keys"
+        unused += [UnusedKey(f"{prefix}.{suffix}", reason) for suffix in leftover]
+        for module in built:
+            modules[f"{prefix}.{module.param}"] = module
+    if not modules:
+        raise LycorisError(f"no LyCORIS/LoRA module found among {len(state_dict)} keys "
+                           f"(e.g. '{next(iter(state_dict))}'); is this an adapter file?", file=name)
+    return LycorisFile(name, modules, unused, dict(metadata or {}))
+
+
+def load(path: str | os.PathLike) -> LycorisFile:
+    """Read and check a .safetensors file (memory-mapped; tensors stay views of the file until patched)."""
+    reader = SafetensorsFile(path)
+    return parse_state_dict(reader.tensors(), reader.name, reader.metadata)

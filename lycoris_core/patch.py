@@ -1,0 +1,50 @@
+"""Computing one patch: W ← W'(m), in place, with every tensor cast once by casting.py.
+
+The weight may be fp32/fp16/bf16/fp8, on any device, and may be a view (ComfyUI narrows fused weights with
+offsets and keeps only the view's changes), so the result is written into it rather than returned as a new tensor.
+"""
+
+from typing import Callable, Optional
+
+import torch
+
+from . import dora
+from .algos import BY_NAME
+from .casting import cast, cast_all, compute_dtype
+from .keys import DORA_SCALE
+from .module import Plan
+
+
+def change(plan: Plan, t: dict[str, torch.Tensor], weight: torch.Tensor, m: float) -> torch.Tensor:
+    """W'(m) − W, in the dtype and on the device of `weight` and `t` (already cast)."""
+    algorithm = BY_NAME[plan.algorithm]
+    if algorithm.diff_weight is None:
+        return algorithm.merged(t, plan.layout, weight, m, plan.reference) - weight
+    delta = algorithm.diff_weight(t, plan.layout, weight)
+    if plan.dora_axis is not None:
+        return dora.change(weight, delta, t[DORA_SCALE], plan.dora_axis, m, plan.reference)
+    return m * delta
+
+
+def is_noop(plan: Plan, strength: float) -> bool:
+    """Strength 0 changes nothing, except under LyCORIS' DoRA semantics (which keep W + ΔW at m = 0)."""
+    return strength == 0 and not (plan.reference and plan.dora_axis is not None)
+
+
+def apply(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Tensor, strength: float,
+          function: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+          intermediate_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Patch `weight` in place to W + function(W'(strength) − W) and return it.
+
+    The maths runs in fp32 (or `intermediate_dtype` when wider) on weight's device; the result is rounded to
+    weight's dtype once.
+    """
+    if is_noop(plan, strength):
+        return weight
+    dtype = compute_dtype(intermediate_dtype)
+    w = cast(weight, weight.device, dtype)
+    delta = change(plan, cast_all(tensors, weight.device, dtype), w, strength)
+    if function is not None:
+        delta = function(delta)
+    weight.copy_(w + delta)
+    return weight

@@ -1,0 +1,44 @@
+"""Our patches as ComfyUI weight adapters, so every ComfyUI path that patches weights uses them unchanged:
+full-load patching, LowVramPatch offload, hooks, merges and saving.
+
+ComfyUI rebuilds adapters as `type(a)(a.loaded_keys, a.weights)` (dynamic VRAM prefetch), so everything an adapter
+needs lives in `weights`: the immutable `Plan` first, then the tensors in `plan.names` order.
+"""
+
+import torch
+from comfy.weight_adapter.base import WeightAdapterBase
+
+from ..lycoris_core import Module, Plan, apply
+
+
+class LycorisAdapter(WeightAdapterBase):
+    name = "lycoris"
+
+    def __init__(self, loaded_keys: set[str], weights: tuple):
+        self.loaded_keys = loaded_keys
+        self.weights = weights
+
+    @classmethod
+    def from_module(cls, module: Module, plan: Plan) -> "LycorisAdapter":
+        keys = {f"{module.prefix}.{name}" for name in plan.names}
+        return cls(keys, (plan, *(module.tensors[name] for name in plan.names)))
+
+    @classmethod
+    def load(cls, x, lora, alpha, dora_scale, loaded_keys=None):
+        # Not in ComfyUI's probe list (comfy.weight_adapter.adapters): core LoRA loaders keep their own behaviour.
+        return None
+
+    @property
+    def plan(self) -> Plan:
+        return self.weights[0]
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.plan.names, self.weights[1:]))
+
+    def calculate_weight(self, weight, key, strength, strength_model, offset, function,
+                         intermediate_dtype=torch.float32, original_weight=None):
+        return apply(self.plan, self.tensors, weight, strength, function, intermediate_dtype)
+
+    def __repr__(self) -> str:
+        return f"LycorisAdapter({self.plan.label}, {sorted(self.loaded_keys)[:1]}…)"

@@ -1,0 +1,111 @@
+"""The loader nodes: LyCORIS Loader and LyCORIS Loader (Model Only)."""
+
+import folder_paths
+from comfy_api.latest import io
+
+from .apply import apply_file
+from .cache import load_cached
+
+CATEGORY = "loaders/lycoris"
+STRENGTH_MODES = ["linear", "lycoris"]
+STRENGTH_MODE_TOOLTIP = (
+    "How strength acts on DoRA, OFT and BOFT files. 'linear': the change scales linearly with strength "
+    "(0 = off, 1 = exactly the file, -1 = inverted). 'lycoris': LyCORIS' own multiplier semantics for those "
+    "algorithms (identical at strength 1). Other algorithms behave the same in both modes."
+)
+
+
+def _lycoris_input() -> io.Combo.Input:
+    return io.Combo.Input("lycoris_name", options=folder_paths.get_filename_list("loras"),
+                          tooltip="The LyCORIS/LoRA file (.safetensors) from the loras folder.")
+
+
+def _strength_input(name: str, what: str) -> io.Float.Input:
+    return io.Float.Input(name, default=1.0, min=-100.0, max=100.0, step=0.01,
+                          tooltip=f"How strongly to change the {what}. 0 leaves it unchanged; negative inverts.")
+
+
+def _mode_input() -> io.Combo.Input:
+    return io.Combo.Input("strength_mode", options=STRENGTH_MODES, default="linear", optional=True,
+                          tooltip=STRENGTH_MODE_TOOLTIP)
+
+
+def _load(lycoris_name: str):
+    return load_cached(folder_paths.get_full_path_or_raise("loras", lycoris_name))
+
+
+def _is_off(strength: float, strength_mode: str) -> bool:
+    # Under 'lycoris' semantics DoRA keeps W + ΔW at strength 0, so only 'linear' may skip the work.
+    return strength == 0 and strength_mode == "linear"
+
+
+class LycorisLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LycorisLoader",
+            display_name="LyCORIS Loader",
+            category=CATEGORY,
+            description=(
+                "Applies a LyCORIS or LoRA-family file (LoCon, LoHa, LoKr, GLoRA, DoRA, OFT, BOFT, IA3, full/norm "
+                "diffs) to the diffusion model and text encoder exactly as the LyCORIS reference defines it, on any "
+                "weight dtype and offload mode. Modules that do not fit are listed in one warning; a file that fits "
+                "nothing is an error."
+            ),
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model the file is applied to."),
+                io.Clip.Input("clip", tooltip="The text encoder the file is applied to."),
+                _lycoris_input(),
+                _strength_input("strength_model", "diffusion model"),
+                _strength_input("strength_clip", "text encoder"),
+                _mode_input(),
+            ],
+            outputs=[
+                io.Model.Output(display_name="MODEL", tooltip="The patched diffusion model."),
+                io.Clip.Output(display_name="CLIP", tooltip="The patched text encoder."),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, model, clip, lycoris_name, strength_model, strength_clip, strength_mode="linear"):
+        if _is_off(strength_model, strength_mode) and _is_off(strength_clip, strength_mode):
+            return io.NodeOutput(model, clip)
+        new_model, new_clip, _report = apply_file(
+            _load(lycoris_name),
+            None if _is_off(strength_model, strength_mode) else model,
+            None if _is_off(strength_clip, strength_mode) else clip,
+            strength_model, strength_clip, reference=strength_mode == "lycoris",
+        )
+        return io.NodeOutput(model if new_model is None else new_model, clip if new_clip is None else new_clip)
+
+
+class LycorisLoaderModelOnly(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LycorisLoaderModelOnly",
+            display_name="LyCORIS Loader (Model Only)",
+            category=CATEGORY,
+            description=(
+                "Applies a LyCORIS or LoRA-family file to the diffusion model only, exactly as the LyCORIS reference "
+                "defines it. Text-encoder modules in the file are reported, not applied."
+            ),
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model the file is applied to."),
+                _lycoris_input(),
+                _strength_input("strength_model", "diffusion model"),
+                _mode_input(),
+            ],
+            outputs=[io.Model.Output(display_name="MODEL", tooltip="The patched diffusion model.")],
+        )
+
+    @classmethod
+    def execute(cls, model, lycoris_name, strength_model, strength_mode="linear"):
+        if _is_off(strength_model, strength_mode):
+            return io.NodeOutput(model)
+        new_model, _clip, _report = apply_file(_load(lycoris_name), model, None, strength_model, 0.0,
+                                               reference=strength_mode == "lycoris")
+        return io.NodeOutput(new_model)
+
+
+NODES: list[type[io.ComfyNode]] = [LycorisLoader, LycorisLoaderModelOnly]
