@@ -88,7 +88,7 @@ class SafetensorsFile:
             raise self._error("corrupt safetensors header (__metadata__ is not an object)")
         data_start = 8 + header_len
         entries = {key: self._entry(key, info, data_start) for key, info in header.items()}
-        self._check_layout(entries)
+        self._check_layout(entries, data_start)
         return entries, {str(k): str(v) for k, v in metadata.items()}, data_start
 
     def _entry(self, key: str, info, data_start: int) -> TensorEntry:
@@ -108,8 +108,8 @@ class SafetensorsFile:
             )
         return entry
 
-    def _check_layout(self, entries: dict[str, TensorEntry]) -> None:
-        previous_end, previous_key = self._data_start if entries else 0, None
+    def _check_layout(self, entries: dict[str, TensorEntry], data_start: int) -> None:
+        previous_end, previous_key = data_start, None
         for key, entry in sorted(entries.items(), key=lambda kv: kv[1].start):
             if entry.start < previous_end and entry.end > entry.start:
                 raise self._error(f"corrupt file: tensor data overlaps '{previous_key}'", key)
