@@ -46,5 +46,8 @@ def apply(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Tensor, st
     delta = change(plan, cast_all(tensors, weight.device, dtype), w, strength)
     if function is not None:
         delta = function(delta)
-    weight.copy_(w + delta)
+    # w is either weight itself (already in the compute dtype) or our private copy: add in place, round once.
+    w.add_(delta)
+    if w is not weight:
+        weight.copy_(w)
     return weight
