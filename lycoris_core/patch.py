@@ -27,8 +27,9 @@ def change(plan: Plan, t: dict[str, torch.Tensor], weight: torch.Tensor, m: floa
 
 
 def is_noop(plan: Plan, strength: float) -> bool:
-    """Strength 0 changes nothing, except under LyCORIS' DoRA semantics (which keep W + ΔW at m = 0)."""
-    return strength == 0 and not (plan.reference and plan.dora_axis is not None)
+    """Linear strength 0 changes nothing. LyCORIS' own semantics need not: at m = 0 DoRA keeps W + ΔW and a
+    rescaled OFT/BOFT keeps ρ ⊙ W."""
+    return strength == 0 and not plan.reference
 
 
 def apply(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Tensor, strength: float,
