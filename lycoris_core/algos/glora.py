@@ -51,8 +51,9 @@ def layout(t: Tensors, alpha: float | None) -> Layout:
         rank = a2.shape[0]
         candidates.append(GLoRALayout(rank, scale_from_alpha(alpha, rank), b1.shape[0], b2.shape[1],
                                       old=False, in_channels=a1.shape[0]))
+    pointwise = all(d == 1 for k in (A1, A2, B1, B2) for d in t[k].shape[2:])  # the old layout: Linear or 1×1 conv
     if (a1.shape[0] == b1.shape[0] == a2.shape[1] == b2.shape[1] and a2.shape[0] == a1.shape[1] == b1.shape[1]
-            and t[B2].ndim == 2):
+            and pointwise):
         rank = a1.shape[0]
         candidates.append(GLoRALayout(rank, scale_from_alpha(alpha, rank), b2.shape[0], b1.shape[1],
                                       old=True, in_channels=a2.shape[0]))
