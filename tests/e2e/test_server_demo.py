@@ -1,0 +1,166 @@
+"""End to end: the example workflow on a real ComfyUI server (CPU) with this pack, a tiny SD1.5 and a LyCORIS file
+made by the reference implementation. One server is shared by the whole session."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+import make_demo_lycoris
+import make_tiny_sd15
+from comfy_server import ComfyServer, prepare_base_dir, ui_to_api
+
+pytestmark = pytest.mark.e2e
+
+# Generated once and reused across runs (the checkpoint is 180 MB and takes ~6 s to write).
+ASSETS = REPO_ROOT / ".deps" / "test-assets"
+WORKFLOW = REPO_ROOT / "example_workflows" / "lycoris_loader.json"
+CHECKPOINT = "tiny_sd15.safetensors"
+LYCORIS = "demo_lokr_dora.safetensors"
+BAD_LOG_LINES = ("lora key not loaded", "NOT LOADED")
+
+
+@pytest.fixture(scope="session")
+def assets() -> dict[str, Path]:
+    ckpt = make_tiny_sd15.write_tiny_sd15(ASSETS / CHECKPOINT)
+    lycoris = make_demo_lycoris.write_demo_lycoris(ASSETS / LYCORIS, ckpt)
+    return {"checkpoints": ckpt, "loras": lycoris}
+
+
+def make_base_dir(base: Path, assets: dict[str, Path]) -> Path:
+    """A ComfyUI base dir whose model folders link to the cached assets."""
+    prepare_base_dir(base)
+    for folder, path in assets.items():
+        (base / "models" / folder / path.name).symlink_to(path)
+    return base
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, assets):
+    with ComfyServer(make_base_dir(tmp_path_factory.mktemp("comfy-base"), assets)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def prompt(server) -> dict:
+    return ui_to_api(json.loads(WORKFLOW.read_text()), server.object_info())
+
+
+def loader_id(prompt: dict) -> str:
+    (node_id,) = [k for k, v in prompt.items() if v["class_type"] == "LycorisLoader"]
+    return node_id
+
+
+def with_inputs(prompt: dict, **inputs) -> dict:
+    changed = copy.deepcopy(prompt)
+    changed[loader_id(prompt)]["inputs"].update(inputs)
+    return changed
+
+
+def without_loader(prompt: dict) -> dict:
+    """The same graph with the LyCORIS loader cut out: core ComfyUI nodes only."""
+    lid = loader_id(prompt)
+    loader_inputs = prompt[lid]["inputs"]
+    upstream = {0: loader_inputs["model"], 1: loader_inputs["clip"]}
+    core = copy.deepcopy({k: v for k, v in prompt.items() if k != lid})
+    for node in core.values():
+        for name, value in node["inputs"].items():
+            if isinstance(value, list) and value[0] == lid:
+                node["inputs"][name] = list(upstream[value[1]])
+    return core
+
+
+def run(server: ComfyServer, prompt: dict) -> tuple[bytes, np.ndarray]:
+    entry = server.wait(server.queue(prompt), timeout=180)
+    png = server.image_bytes(entry)
+    # Compare pixels, not files: SaveImage embeds the (different) prompt in the PNG.
+    return png, np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+@pytest.fixture(scope="session")
+def images(server, prompt) -> dict[str, tuple[bytes, np.ndarray]]:
+    return {
+        "full": run(server, prompt),
+        "zero": run(server, with_inputs(prompt, strength_model=0.0, strength_clip=0.0)),
+        "core": run(server, without_loader(prompt)),
+    }
+
+
+def test_demo_file_loads_in_core_comfyui(assets):
+    """Independent of our nodes: core ComfyUI maps and consumes every key of the demo file."""
+    assert make_demo_lycoris.verify(assets["loras"], assets["checkpoints"]) == 65
+
+
+def test_object_info_lists_the_nodes(server):
+    info = server.object_info()
+    for node_id in ("LycorisLoader", "LycorisLoaderModelOnly"):
+        assert node_id in info, f"{node_id} not registered; server log:\n{server.log_tail()}"
+        assert info[node_id]["category"] == "loaders/lycoris"
+
+
+def test_example_workflow_makes_a_png(images):
+    png, pixels = images["full"]
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert pixels.shape == (64, 64, 3)
+
+
+def test_lycoris_changes_the_image(images):
+    assert not np.array_equal(images["full"][1], images["zero"][1])
+
+
+def test_strength_zero_is_identical_to_no_loader(images):
+    assert np.array_equal(images["zero"][1], images["core"][1])
+
+
+def test_model_only_loader_and_lycoris_mode_run(server, prompt):
+    half = run(server, with_inputs(prompt, strength_model=0.5, strength_clip=0.5, strength_mode="lycoris"))[1]
+    assert half.shape == (64, 64, 3)
+
+    model_only = copy.deepcopy(prompt)
+    lid = loader_id(prompt)
+    inputs = model_only[lid]["inputs"]
+    model_only[lid] = {
+        "class_type": "LycorisLoaderModelOnly",
+        "inputs": {k: v for k, v in inputs.items() if k not in ("clip", "strength_clip")},
+    }
+    for node in model_only.values():  # the text encoders take the checkpoint's CLIP directly
+        if node["inputs"].get("clip") == [lid, 1]:
+            node["inputs"]["clip"] = list(inputs["clip"])
+    assert run(server, model_only)[1].shape == (64, 64, 3)
+
+
+def test_server_log_has_no_unloaded_keys(server, images):
+    bad = [line for line in server.log_text().splitlines() if any(b in line for b in BAD_LOG_LINES)]
+    assert not bad, "\n".join(bad[:20])
+
+
+def test_demo_once(tmp_path, assets):
+    """`make demo ONCE=1` in a temp base dir: comfy-cli (or the fallback) starts ComfyUI, the workflow runs."""
+    base = make_base_dir(tmp_path / "base", assets)
+    cmd = [
+        sys.executable,
+        str(REPO_ROOT / "scripts" / "demo.py"),
+        "--once",
+        "--base-dir",
+        str(base),
+        "--cli-home",
+        str(tmp_path / "cli-home"),
+    ]
+    result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    (image_line,) = [line for line in result.stdout.splitlines() if line.startswith("demo: image: ")]
+    image = Path(image_line.removeprefix("demo: image: "))
+    assert image.is_relative_to(base / "output"), image
+    assert image.read_bytes().startswith(b"\x89PNG")
