@@ -8,8 +8,8 @@
 from .errors import LycorisError
 from .lycoris_file import LycorisFile, UnusedKey, load, parse_state_dict
 from .module import Module, Plan
-from .patch import apply, change
+from .patch import apply, change, change_norms
 from .safetensors_file import SafetensorsFile
 
 __all__ = ["LycorisError", "LycorisFile", "UnusedKey", "load", "parse_state_dict", "Module", "Plan", "apply",
-           "change", "SafetensorsFile"]
+           "change", "change_norms", "SafetensorsFile"]

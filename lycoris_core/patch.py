@@ -52,3 +52,12 @@ def apply(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Tensor, st
     if w is not weight:
         weight.copy_(w)
     return weight
+
+
+def change_norms(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Tensor, strength: float
+                 ) -> tuple[float, float]:
+    """(‖W'(strength) − W‖², ‖W‖²), computed like a patch but without touching `weight`. For reports."""
+    dtype = compute_dtype(None)
+    w = cast(weight, weight.device, dtype)
+    delta = change(plan, cast_all(tensors, weight.device, dtype), w, strength)
+    return float(delta.square().sum()), float(w.square().sum())

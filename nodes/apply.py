@@ -4,13 +4,15 @@ Every module ends in exactly one of: applied, or a problem with a reason. Nothin
 is half-applied: every module is checked against its target weight before any patch is added.
 """
 
+import difflib
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
 import comfy.lora
 
-from ..lycoris_core import LycorisError, LycorisFile, Module
+from ..lycoris_core import LycorisError, LycorisFile, Module, Plan
+from ..lycoris_core.summary import infer_family
 from .adapter import LycorisAdapter
 
 log = logging.getLogger("lycoris_nodes")
@@ -26,6 +28,21 @@ class Target:
     patch_key: object  # what add_patches takes: "key" or (key, offset[, function])
     shape: tuple[int, ...]
 
+    @property
+    def key(self) -> str:
+        return self.patch_key if isinstance(self.patch_key, str) else self.patch_key[0]
+
+    @property
+    def offset(self):
+        return None if isinstance(self.patch_key, str) else self.patch_key[1]
+
+
+@dataclass(frozen=True)
+class Applied:
+    target: Target
+    plan: Plan
+    module: Module
+
 
 @dataclass
 class ApplyReport:
@@ -35,15 +52,27 @@ class ApplyReport:
     labels: Counter = field(default_factory=Counter)
     problems: list[tuple[str, str]] = field(default_factory=list)  # (module key, reason)
     unused_keys: list[tuple[str, str]] = field(default_factory=list)
+    params_total: int = 0
+    params_applied: int = 0
+    verdict: str = ""  # one sentence when the file does not look made for this model
+    targets: dict[str, Applied] = field(default_factory=dict, repr=False)
 
     def line(self) -> str:
         algos = ", ".join(f"{label} {n}" for label, n in self.labels.most_common())
-        return f"{self.file}: {len(self.applied)}/{self.total} modules applied" + (f" ({algos})" if algos else "")
+        share = f", {100 * self.params_applied / self.params_total:.0f}% of parameters" if self.params_total else ""
+        return (f"{self.file}: {len(self.applied)}/{self.total} modules applied" + (f" ({algos}{share})" if algos else "")
+                + (f". {self.verdict}" if self.verdict else ""))
 
     def details(self) -> str:
         rows = [f"  {key}: {reason}" for key, reason in self.problems + self.unused_keys]
         more = f"\n  … and {len(rows) - MAX_LISTED} more" if len(rows) > MAX_LISTED else ""
         return "\n".join(rows[:MAX_LISTED]) + more
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "line": self.line(), "applied": len(self.applied), "total": self.total,
+                "algorithms": dict(self.labels.most_common()), "params_applied": self.params_applied,
+                "params_total": self.params_total, "verdict": self.verdict,
+                "problems": [list(p) for p in self.problems], "unused_keys": [list(u) for u in self.unused_keys]}
 
 
 def _narrowed(shape: tuple[int, ...], offset) -> tuple[int, ...]:
@@ -63,13 +92,18 @@ def _bias_key(patch_key):
     return (key[: -len(".weight")] + ".bias", offset, *patch_key[2:])
 
 
+def _nearest(prefix: str, key_map: dict) -> str:
+    close = difflib.get_close_matches(prefix, list(key_map), n=1, cutoff=0.75)
+    return f"; nearest name in this model: {close[0]}" if close else ""
+
+
 def find_target(module: Module, key_map: dict, shapes: dict[str, dict]) -> Target | str:
     """Where this module goes, or the reason it goes nowhere."""
     patch_key = key_map.get(module.prefix)
     if patch_key is None:
         if module.prefix.startswith(TEXT_ENCODER_PREFIXES) and "clip" not in shapes:
             return "text-encoder module, but no CLIP is connected"
-        return "no weight of this model has this name"
+        return "no weight of this model has this name" + _nearest(module.prefix, key_map)
     if module.param == "bias":
         patch_key = _bias_key(patch_key)
         if patch_key is None:
@@ -82,12 +116,17 @@ def find_target(module: Module, key_map: dict, shapes: dict[str, dict]) -> Targe
     return f"target {key} does not exist in this model"
 
 
+def _params(module: Module) -> int:
+    return sum(t.numel() for t in module.tensors.values())
+
+
 def build_patches(lfile: LycorisFile, key_map: dict, shapes: dict[str, dict], reference: bool
                   ) -> tuple[dict[str, dict], ApplyReport]:
     report = ApplyReport(lfile.name, len(lfile.modules))
     report.unused_keys = [(u.key, u.reason) for u in lfile.unused]
     patches: dict[str, dict] = {side: {} for side in shapes}
     for module_key, module in lfile.modules.items():
+        report.params_total += _params(module)
         target = find_target(module, key_map, shapes)
         if isinstance(target, str):
             report.problems.append((module_key, target))
@@ -98,28 +137,34 @@ def build_patches(lfile: LycorisFile, key_map: dict, shapes: dict[str, dict], re
             report.problems.append((module_key, e.reason))
             continue
         patches[target.side][target.patch_key] = LycorisAdapter.from_module(module, plan)
-        report.applied[module_key] = target.patch_key if isinstance(target.patch_key, str) else target.patch_key[0]
+        report.applied[module_key] = target.key
+        report.targets[module_key] = Applied(target, plan, module)
         report.labels[plan.label] += 1
+        report.params_applied += _params(module)
     return patches, report
 
 
-def nothing_applied_error(lfile: LycorisFile, report: ApplyReport, model_name: str) -> LycorisError:
+def family_verdict(lfile: LycorisFile, report: ApplyReport, model_family: str | None) -> str:
+    """One sentence when most of the file misses and it looks made for another model family."""
+    if len(report.applied) * 2 > report.total:
+        return ""
     declared = lfile.metadata.get("ss_base_model_version") or lfile.metadata.get("modelspec.architecture")
-    hint = f" The file says it is for '{declared}'." if declared else ""
-    examples = ", ".join(key for key, _ in report.problems[:3])
-    reasons = Counter(reason.split(":")[0] for _, reason in report.problems).most_common(1)
-    return LycorisError(
-        f"none of its {report.total} modules fit this {model_name} model (most common reason: "
-        f"{reasons[0][0] if reasons else 'none'}); is it made for another base model?{hint} "
-        f"Examples: {examples}", file=lfile.name)
+    inferred = infer_family({m.prefix: m.layout.flat_in for m in lfile.modules.values()})
+    made_for = " / ".join(dict.fromkeys(x for x in (declared, inferred) if x)) or "another model"
+    return f"This file looks made for {made_for}, not for this {model_family or 'model'}."
+
+
+def model_family(model) -> str | None:
+    config = getattr(model.model, "model_config", None) if model is not None else None
+    return type(config).__name__ if config is not None else None
 
 
 def model_shapes(module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in module.state_dict().items()}
 
 
-def apply_file(lfile: LycorisFile, model, clip, strength_model: float, strength_clip: float, reference: bool):
-    """(patched model clone or None, patched clip clone or None, report). Raises LycorisError when nothing fits."""
+def map_file(lfile: LycorisFile, model, clip, reference: bool) -> tuple[dict[str, dict], ApplyReport]:
+    """Patches per side and the coverage report for this file on this model/clip (nothing is patched yet)."""
     key_map, shapes = {}, {}
     if model is not None:
         key_map = comfy.lora.model_lora_keys_unet(model.model, key_map)
@@ -128,20 +173,42 @@ def apply_file(lfile: LycorisFile, model, clip, strength_model: float, strength_
         key_map = comfy.lora.model_lora_keys_clip(clip.cond_stage_model, key_map)
         shapes["clip"] = model_shapes(clip.cond_stage_model)
     patches, report = build_patches(lfile, key_map, shapes, reference)
+    report.verdict = family_verdict(lfile, report, model_family(model))
+    return patches, report
+
+
+def nothing_applied_error(report: ApplyReport) -> LycorisError:
+    reasons = Counter(reason.split(";")[0] for _, reason in report.problems).most_common(1)
+    examples = ", ".join(key for key, _ in report.problems[:3])
+    return LycorisError(
+        f"none of its {report.total} modules fit this model. {report.verdict or ''} "
+        f"Most common reason: {reasons[0][0] if reasons else 'none'}. Examples: {examples}", file=report.file)
+
+
+def apply_file(lfile: LycorisFile, model, clip, strength_model: float, strength_clip: float, reference: bool):
+    """(patched model clone, patched clip clone, report); a side stays the input object when its strength is off.
+
+    Raises LycorisError when nothing in the file fits the model/clip given.
+    """
+    patches, report = map_file(lfile, model, clip, reference)
     if not report.applied:
-        name = type(model.model).__name__ if model is not None else "text encoder"
-        raise nothing_applied_error(lfile, report, name)
+        raise nothing_applied_error(report)
     if report.problems or report.unused_keys:
         log.warning("LyCORIS %s; not applied:\n%s", report.line(), report.details())
     else:
         log.info("LyCORIS %s", report.line())
-    new_model = _patched(model, patches.get("model"), strength_model, report)
-    new_clip = _patched(clip, patches.get("clip"), strength_clip, report)
+    new_model = _patched(model, patches.get("model"), strength_model, reference, report)
+    new_clip = _patched(clip, patches.get("clip"), strength_clip, reference, report)
     return new_model, new_clip, report
 
 
-def _patched(target, patches: dict | None, strength: float, report: ApplyReport):
-    if target is None or not patches:
+def is_off(strength: float, reference: bool) -> bool:
+    # Under LyCORIS semantics DoRA keeps W + ΔW (and OFT ρ⊙W) at strength 0, so only linear mode may skip the work.
+    return strength == 0 and not reference
+
+
+def _patched(target, patches: dict | None, strength: float, reference: bool, report: ApplyReport):
+    if target is None or not patches or is_off(strength, reference):
         return target
     patched = target.clone()
     accepted = set(patched.add_patches(patches, strength))

@@ -3,7 +3,7 @@
 import folder_paths
 from comfy_api.latest import io
 
-from .apply import apply_file
+from .apply import apply_file, is_off
 from .cache import load_cached
 
 CATEGORY = "loaders/lycoris"
@@ -32,11 +32,6 @@ def _mode_input() -> io.Combo.Input:
 
 def _load(lycoris_name: str):
     return load_cached(folder_paths.get_full_path_or_raise("loras", lycoris_name))
-
-
-def _is_off(strength: float, strength_mode: str) -> bool:
-    # Under 'lycoris' semantics DoRA keeps W + ΔW at strength 0, so only 'linear' may skip the work.
-    return strength == 0 and strength_mode == "linear"
 
 
 class LycorisLoader(io.ComfyNode):
@@ -68,15 +63,12 @@ class LycorisLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, clip, lycoris_name, strength_model, strength_clip, strength_mode="linear"):
-        if _is_off(strength_model, strength_mode) and _is_off(strength_clip, strength_mode):
+        reference = strength_mode == "lycoris"
+        if is_off(strength_model, reference) and is_off(strength_clip, reference):
             return io.NodeOutput(model, clip)
-        new_model, new_clip, _report = apply_file(
-            _load(lycoris_name),
-            None if _is_off(strength_model, strength_mode) else model,
-            None if _is_off(strength_clip, strength_mode) else clip,
-            strength_model, strength_clip, reference=strength_mode == "lycoris",
-        )
-        return io.NodeOutput(model if new_model is None else new_model, clip if new_clip is None else new_clip)
+        new_model, new_clip, _report = apply_file(_load(lycoris_name), model, clip, strength_model, strength_clip,
+                                                  reference)
+        return io.NodeOutput(new_model, new_clip)
 
 
 class LycorisLoaderModelOnly(io.ComfyNode):
@@ -101,10 +93,10 @@ class LycorisLoaderModelOnly(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, lycoris_name, strength_model, strength_mode="linear"):
-        if _is_off(strength_model, strength_mode):
+        reference = strength_mode == "lycoris"
+        if is_off(strength_model, reference):
             return io.NodeOutput(model)
-        new_model, _clip, _report = apply_file(_load(lycoris_name), model, None, strength_model, 0.0,
-                                               reference=strength_mode == "lycoris")
+        new_model, _clip, _report = apply_file(_load(lycoris_name), model, None, strength_model, 0.0, reference)
         return io.NodeOutput(new_model)
 
 

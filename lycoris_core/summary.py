@@ -1,0 +1,222 @@
+"""What a file is, read from its header alone: algorithms, ranks, alphas, DoRA, dtypes, training metadata, trigger
+words and the base model family (declared in metadata, or inferred from key names and shapes).
+
+Tensor data is not read except the tiny `alpha` and `on_input` scalars: modules are parsed on `meta` tensors of the
+right shapes, with the same detection and layout code that patching uses.
+"""
+
+import json
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .algos.base import ShapeError
+from .errors import LycorisError
+from .keys import ALPHA, DORA_SCALE
+from .lycoris_file import group_keys
+from .module import Module, build_modules
+from .safetensors_file import SafetensorsFile
+
+SCALAR_SUFFIXES = (ALPHA, "on_input")  # read for real: the layout needs their values
+TRAINING_KEYS = {
+    "ss_base_model_version": "base model", "ss_network_module": "network module", "ss_network_dim": "dim",
+    "ss_network_alpha": "alpha", "ss_network_args": "network args", "ss_resolution": "resolution",
+    "ss_num_train_images": "train images", "ss_epoch": "epochs", "ss_steps": "steps",
+    "ss_learning_rate": "learning rate", "ss_optimizer": "optimizer", "ss_mixed_precision": "precision",
+    "ss_output_name": "output name", "ss_training_comment": "comment", "ss_sd_model_name": "trained on",
+    "modelspec.architecture": "architecture", "modelspec.title": "title", "modelspec.author": "author",
+    "modelspec.description": "description", "modelspec.date": "date", "modelspec.resolution": "resolution",
+}
+
+# Base-model families from key names, first match wins: (family, regex over module prefixes).
+FAMILY_PATTERNS: tuple[tuple[str, str], ...] = (
+    ("Flux", r"double_blocks[._]\d+[._](img|txt)_(attn|mlp|mod)|single_blocks[._]\d+[._]linear"),
+    ("SD3", r"joint_blocks[._]\d+"),
+    ("Wan", r"blocks[._]\d+[._](cross_attn|self_attn)[._]"),
+    ("Qwen-Image", r"transformer_blocks[._]\d+[._](img_mlp|txt_mlp|img_mod)"),
+    ("HunyuanVideo", r"(double|single)_blocks[._]\d+[._](img_attn_qkv|linear1)"),
+    ("SDXL", r"lora_te2_|text_encoder_2|input_blocks[._][78][._]1[._]transformer_blocks[._][1-9]"),
+)
+# SD1/SD2/SDXL share a UNet layout; the cross-attention context width tells them apart.
+CONTEXT_DIM_FAMILY = {768: "SD1.x", 1024: "SD2.x", 2048: "SDXL"}
+
+
+@dataclass
+class ModuleSummary:
+    key: str
+    algorithm: str
+    rank: int | None
+    alpha: float | None
+    params: int
+    conv: bool
+    dora_axis: str | None = None
+    tucker: bool = False
+
+
+@dataclass
+class FileSummary:
+    name: str
+    size_bytes: int
+    module_count: int
+    algorithms: dict[str, int]
+    rank: dict[str, int] | None
+    alpha: dict[str, float] | None
+    conv_rank: dict[str, int] | None
+    dtypes: dict[str, int]
+    dora_axis: str | None
+    tucker: bool
+    params: int
+    base_model: dict[str, str | None]
+    trigger_words: list[str]
+    title: str | None
+    training: dict[str, str]
+    lycoris_config: dict | None
+    metadata_count: int
+    unused_keys: int
+    modules: list[ModuleSummary] = field(default_factory=list, repr=False)
+
+    def to_json(self, with_modules: bool = False) -> dict:
+        data = asdict(self)
+        if not with_modules:
+            data.pop("modules")
+        return data
+
+    def text(self) -> str:
+        """A few human lines for the Info node's STRING output."""
+        rank = f"rank {_span(self.rank)}" if self.rank else "no rank"
+        alpha = f", alpha {_span(self.alpha)}" if self.alpha else ""
+        algos = ", ".join(f"{name} ×{n}" for name, n in self.algorithms.items())
+        lines = [
+            f"{self.title or self.name}: {self.module_count} modules ({algos}), {rank}{alpha}",
+            f"base model: {self.base_model['declared'] or '?'} (declared), {self.base_model['inferred'] or '?'} "
+            "(from key names)",
+            f"tensors: {', '.join(f'{d} ×{n}' for d, n in self.dtypes.items())}; {self.params:,} parameters; "
+            f"{self.size_bytes / 2**20:.1f} MiB",
+        ]
+        if self.conv_rank:
+            lines.append(f"conv layers: rank {_span(self.conv_rank)}")
+        if self.dora_axis:
+            lines.append(f"DoRA: magnitude per {'output row' if self.dora_axis == 'out' else 'input channel'}")
+        if self.trigger_words:
+            lines.append("trigger words: " + ", ".join(self.trigger_words))
+        lines += [f"{label}: {value}" for label, value in self.training.items()]
+        return "\n".join(lines)
+
+
+def _span(values: dict) -> str:
+    return f"{values['min']:g}" if values["min"] == values["max"] else f"{values['min']:g}–{values['max']:g}"
+
+
+def _range(values: list) -> dict | None:
+    return {"min": min(values), "max": max(values)} if values else None
+
+
+def _shape_only(reader: SafetensorsFile) -> dict[str, torch.Tensor]:
+    """Meta tensors of the right shapes, except the scalars whose values the layouts need."""
+    tensors = {}
+    for key, entry in reader.entries.items():
+        if key.endswith(SCALAR_SUFFIXES) and entry.numel <= 1:
+            tensors[key] = reader.tensor(key)
+        else:
+            tensors[key] = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+    return tensors
+
+
+def _module_summary(key: str, module: Module) -> ModuleSummary:
+    tensors = module.tensors
+    return ModuleSummary(
+        key=key, algorithm=module.label, rank=module.layout.rank, alpha=module.alpha,
+        params=sum(t.numel() for t in tensors.values()),
+        conv=any(t.ndim > 2 for name, t in tensors.items() if name != DORA_SCALE),
+        dora_axis=_dora_axis(tensors.get(DORA_SCALE)),
+        tucker=any(name in tensors for name in ("lora_mid.weight", "hada_t1", "lokr_t2")),
+    )
+
+
+def _dora_axis(scale: torch.Tensor | None) -> str | None:
+    if scale is None:
+        return None
+    return "in" if scale.ndim >= 2 and scale.shape[0] == 1 and scale.shape[1] > 1 else "out"
+
+
+def trigger_words(metadata: dict[str, str], top: int = 8) -> list[str]:
+    """modelspec.trigger_phrase first, then the most frequent training tags (kohya ss_tag_frequency)."""
+    words = [w.strip() for w in metadata.get("modelspec.trigger_phrase", "").split(",") if w.strip()]
+    try:
+        frequency = json.loads(metadata.get("ss_tag_frequency") or "{}")
+    except json.JSONDecodeError:
+        frequency = {}
+    counts: Counter = Counter()
+    for tags in frequency.values() if isinstance(frequency, dict) else ():
+        if isinstance(tags, dict):
+            counts.update({str(tag).strip(): int(n) for tag, n in tags.items() if str(n).isdigit()})
+    for tag, _n in counts.most_common():
+        if len(words) >= top:
+            break
+        if tag and tag not in words:
+            words.append(tag)
+    return words
+
+
+def infer_family(in_features: dict[str, int | None]) -> str | None:
+    """The base model family the module names (and, for UNets, the cross-attention width) point to, or None."""
+    joined = "\n".join(in_features)
+    for family, pattern in FAMILY_PATTERNS:
+        if re.search(pattern, joined):
+            return family
+    for prefix, width in in_features.items():  # UNet cross-attention: attn2's to_k reads the text context
+        if re.search(r"attn2[._]to_k$", prefix) and width in CONTEXT_DIM_FAMILY:
+            return CONTEXT_DIM_FAMILY[width]
+    if re.search(r"(input_blocks|down_blocks|middle_block|mid_block)", joined):
+        return "SD (UNet)"
+    return None
+
+
+def declared_family(metadata: dict[str, str]) -> str | None:
+    return metadata.get("ss_base_model_version") or metadata.get("modelspec.architecture") or None
+
+
+def summarize(path) -> FileSummary:
+    reader = SafetensorsFile(path)
+    groups, unknown = group_keys(_shape_only(reader), reader.name)
+    modules: list[ModuleSummary] = []
+    in_features: dict[str, int | None] = {}
+    unused = len(unknown)
+    for prefix, group in groups.items():
+        try:
+            built, leftover = build_modules(prefix, group, reader.name)
+        except (LycorisError, ShapeError):
+            unused += len(group)  # a damaged module: loading reports it in full
+            continue
+        unused += len(leftover)
+        modules += [_module_summary(f"{prefix}.{m.param}", m) for m in built]
+        in_features[prefix] = built[0].layout.flat_in if built else None
+    meta = reader.metadata
+    try:
+        lycoris_config = json.loads(meta["lycoris_config"]) if "lycoris_config" in meta else None
+    except json.JSONDecodeError:
+        lycoris_config = None
+    ranks = [m.rank for m in modules if m.rank is not None]
+    dora_axes = {m.dora_axis for m in modules if m.dora_axis}
+    return FileSummary(
+        name=reader.name, size_bytes=reader.size, module_count=len(modules),
+        algorithms=dict(Counter(m.algorithm for m in modules).most_common()),
+        rank=_range(ranks), alpha=_range([m.alpha for m in modules if m.alpha is not None]),
+        conv_rank=_range([m.rank for m in modules if m.conv and m.rank is not None]),
+        dtypes=dict(Counter(_dtype_name(e.dtype) for e in reader.entries.values()).most_common()),
+        dora_axis=dora_axes.pop() if len(dora_axes) == 1 else ("mixed" if dora_axes else None),
+        tucker=any(m.tucker for m in modules), params=sum(m.params for m in modules),
+        base_model={"declared": declared_family(meta),
+                    "inferred": infer_family(in_features)},
+        trigger_words=trigger_words(meta),
+        title=meta.get("modelspec.title") or meta.get("ss_output_name") or None,
+        training={label: meta[key] for key, label in TRAINING_KEYS.items() if meta.get(key)},
+        lycoris_config=lycoris_config, metadata_count=len(meta), unused_keys=unused, modules=modules,
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+            torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}.get(dtype, str(dtype).replace("torch.", ""))
