@@ -11,5 +11,7 @@ from .module import Module, Plan
 from .patch import apply, change, change_norms
 from .safetensors_file import SafetensorsFile
 
-__all__ = ["LycorisError", "LycorisFile", "UnusedKey", "load", "parse_state_dict", "Module", "Plan", "apply",
-           "change", "change_norms", "SafetensorsFile"]
+__all__ = [
+    "LycorisError", "LycorisFile", "Module", "Plan", "SafetensorsFile", "UnusedKey",
+    "apply", "change", "change_norms", "load", "parse_state_dict",
+]

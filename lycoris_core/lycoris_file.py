@@ -5,8 +5,8 @@ ComfyUI does not roll back a patch that raises half-way, and clones share one mo
 """
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import torch
 

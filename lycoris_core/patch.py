@@ -4,7 +4,7 @@ The weight may be fp32/fp16/bf16/fp8, on any device, and may be a view (ComfyUI 
 offsets and keeps only the view's changes), so the result is written into it rather than returned as a new tensor.
 """
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -33,8 +33,8 @@ def is_noop(plan: Plan, strength: float) -> bool:
 
 
 def apply(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Tensor, strength: float,
-          function: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-          intermediate_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+          function: Callable[[torch.Tensor], torch.Tensor] | None = None,
+          intermediate_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Patch `weight` in place to W + function(W'(strength) − W) and return it.
 
     The maths runs in fp32 (or `intermediate_dtype` when wider) on weight's device; the result is rounded to

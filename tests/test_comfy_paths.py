@@ -9,7 +9,6 @@ import comfy.lora
 import comfy.model_patcher
 import comfy.ops
 import torch
-
 from lycoris_nodes.lycoris_core import parse_state_dict
 from lycoris_nodes.nodes.apply import build_patches
 

@@ -4,7 +4,7 @@ A module's weight is patched by the first algorithm in WEIGHT_ALGORITHMS whose m
 algorithm in BIAS_ALGORITHMS whose marker it has.
 """
 
-from . import boft, full, glora, ia3, loha, lokr, locon, oft
+from . import boft, full, glora, ia3, locon, loha, lokr, oft
 from .base import Algorithm, Layout, ShapeError, Tensors
 
 WEIGHT_ALGORITHMS: tuple[Algorithm, ...] = (
@@ -22,4 +22,4 @@ WEIGHT_ALGORITHMS: tuple[Algorithm, ...] = (
 BIAS_ALGORITHMS: tuple[Algorithm, ...] = (full.FULL_BIAS, full.NORM_BIAS)
 BY_NAME: dict[str, Algorithm] = {a.name: a for a in WEIGHT_ALGORITHMS + BIAS_ALGORITHMS}
 
-__all__ = ["Algorithm", "Layout", "ShapeError", "Tensors", "WEIGHT_ALGORITHMS", "BIAS_ALGORITHMS", "BY_NAME"]
+__all__ = ["BIAS_ALGORITHMS", "BY_NAME", "WEIGHT_ALGORITHMS", "Algorithm", "Layout", "ShapeError", "Tensors"]

@@ -14,8 +14,8 @@ three small functions:
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -34,11 +34,11 @@ class ShapeError(ValueError):
 class Layout:
     """Facts read from a module's shapes. `out`, `flat_in` and `shape` constrain the target weight."""
 
-    rank: Optional[int]
+    rank: int | None
     scale: float
     out: int
-    flat_in: Optional[int] = None  # prod(W.shape[1:]) when the file pins it
-    shape: Optional[tuple[int, ...]] = None  # the full W shape when the file pins it
+    flat_in: int | None = None  # prod(W.shape[1:]) when the file pins it
+    shape: tuple[int, ...] | None = None  # the full W shape when the file pins it
 
     def resolve(self, weight_shape: tuple[int, ...]) -> "Layout":
         """This layout for a concrete target weight, or ShapeError saying why it does not fit."""
@@ -59,10 +59,10 @@ class Algorithm:
     label: str  # what users read, e.g. "LoKr"
     markers: tuple[str, ...]  # suffixes whose presence selects this algorithm
     keys: tuple[str, ...]  # every tensor suffix it may read (alpha and dora_scale are handled for all)
-    layout: Callable[[Tensors, Optional[float]], Layout]
-    diff_weight: Optional[Callable[[Tensors, Layout, torch.Tensor], torch.Tensor]] = None
-    merged: Optional[Callable[[Tensors, Layout, torch.Tensor, float, bool], torch.Tensor]] = None
-    marker_ndim: Optional[int] = None  # oft_blocks: 3-D is diag-OFT, 4-D is BOFT
+    layout: Callable[[Tensors, float | None], Layout]
+    diff_weight: Callable[[Tensors, Layout, torch.Tensor], torch.Tensor] | None = None
+    merged: Callable[[Tensors, Layout, torch.Tensor, float, bool], torch.Tensor] | None = None
+    marker_ndim: int | None = None  # oft_blocks: 3-D is diag-OFT, 4-D is BOFT
     param: str = "weight"  # which parameter of the target layer it patches
     supports_dora: bool = False
     uses_alpha: bool = True
@@ -72,7 +72,7 @@ class Algorithm:
         return bool(found) and (self.marker_ndim is None or found[0].ndim == self.marker_ndim)
 
 
-def scale_from_alpha(alpha: Optional[float], rank: int) -> float:
+def scale_from_alpha(alpha: float | None, rank: int) -> float:
     """s = alpha / r; a missing alpha (or 0, as trainers write for 'unset') means alpha = r."""
     if alpha is None or alpha == 0:
         return 1.0
