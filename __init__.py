@@ -1,15 +1,25 @@
 """LyCORIS Nodes: LyCORIS adapter files applied exactly as the reference defines them, in ComfyUI."""
 
+import sys
+
 from comfy_api.latest import ComfyExtension, io
 
+from .nodes import routes
+from .nodes.info import LycorisInfo
 from .nodes.loaders import NODES
 
 WEB_DIRECTORY = "./web"
 
+# ComfyUI's server is running before custom nodes load. Imported as a library (tests, scripts) there is none, and
+# importing server.py just to find that out would pull in the whole frontend stack.
+_server = getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
+if _server is not None:
+    routes.register(_server.routes)
+
 
 class LycorisExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return list(NODES)
+        return [*NODES, LycorisInfo]
 
 
 async def comfy_entrypoint() -> LycorisExtension:

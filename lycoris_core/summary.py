@@ -90,10 +90,10 @@ class FileSummary:
         algos = ", ".join(f"{name} ×{n}" for name, n in self.algorithms.items())
         lines = [
             f"{self.title or self.name}: {self.module_count} modules ({algos}), {rank}{alpha}",
-            f"base model: {self.base_model['declared'] or '?'} (declared), {self.base_model['inferred'] or '?'} "
-            "(from key names)",
-            f"tensors: {', '.join(f'{d} ×{n}' for d, n in self.dtypes.items())}; {self.params:,} parameters; "
-            f"{self.size_bytes / 2**20:.1f} MiB",
+            (f"base model: {self.base_model['declared'] or '?'} (declared), "
+             f"{self.base_model['inferred'] or '?'} (from key names)"),
+            (f"tensors: {', '.join(f'{d} ×{n}' for d, n in self.dtypes.items())}; {self.params:,} parameters; "
+             f"{self.size_bytes / 2**20:.1f} MiB"),
         ]
         if self.conv_rank:
             lines.append(f"conv layers: rank {_span(self.conv_rank)}")

@@ -5,6 +5,7 @@ from comfy_api.latest import io
 
 from .apply import apply_file, is_off
 from .cache import load_cached
+from .report import LOADER_MEASURE_BUDGET, block_changes, payload, roots_of, touched_elements
 
 CATEGORY = "loaders/lycoris"
 STRENGTH_MODES = ["linear", "lycoris"]
@@ -30,8 +31,16 @@ def _mode_input() -> io.Combo.Input:
                           tooltip=STRENGTH_MODE_TOOLTIP)
 
 
-def _load(lycoris_name: str):
-    return load_cached(folder_paths.get_full_path_or_raise("loras", lycoris_name))
+def lycoris_path(lycoris_name: str) -> str:
+    return folder_paths.get_full_path_or_raise("loras", lycoris_name)
+
+
+def _ui(path: str, report, model, clip, strength_model: float, strength_clip: float) -> dict:
+    """The panel's payload: coverage, per-block change (when cheap enough on every run) and the file summary."""
+    blocks = None
+    if touched_elements(report) <= LOADER_MEASURE_BUDGET:
+        blocks = block_changes(report, roots_of(model, clip), {"model": strength_model, "clip": strength_clip})
+    return {"lycoris": [payload(path, report, blocks)]}
 
 
 class LycorisLoader(io.ComfyNode):
@@ -66,9 +75,11 @@ class LycorisLoader(io.ComfyNode):
         reference = strength_mode == "lycoris"
         if is_off(strength_model, reference) and is_off(strength_clip, reference):
             return io.NodeOutput(model, clip)
-        new_model, new_clip, _report = apply_file(_load(lycoris_name), model, clip, strength_model, strength_clip,
-                                                  reference)
-        return io.NodeOutput(new_model, new_clip)
+        path = lycoris_path(lycoris_name)
+        new_model, new_clip, report = apply_file(load_cached(path), model, clip, strength_model, strength_clip,
+                                                 reference)
+        return io.NodeOutput(new_model, new_clip,
+                             ui=_ui(path, report, model, clip, strength_model, strength_clip))
 
 
 class LycorisLoaderModelOnly(io.ComfyNode):
@@ -96,8 +107,9 @@ class LycorisLoaderModelOnly(io.ComfyNode):
         reference = strength_mode == "lycoris"
         if is_off(strength_model, reference):
             return io.NodeOutput(model)
-        new_model, _clip, _report = apply_file(_load(lycoris_name), model, None, strength_model, 0.0, reference)
-        return io.NodeOutput(new_model)
+        path = lycoris_path(lycoris_name)
+        new_model, _clip, report = apply_file(load_cached(path), model, None, strength_model, 0.0, reference)
+        return io.NodeOutput(new_model, ui=_ui(path, report, model, None, strength_model, 0.0))
 
 
 NODES: list[type[io.ComfyNode]] = [LycorisLoader, LycorisLoaderModelOnly]

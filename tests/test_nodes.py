@@ -178,10 +178,10 @@ def test_schema(cls, node_id, names, outputs, loras):
     assert all(t for t in info["output_tooltips"])
 
 
-def test_extension_lists_both_nodes():
+def test_extension_lists_every_node():
     extension = asyncio.run(lycoris_nodes.comfy_entrypoint())
     listed = asyncio.run(extension.get_node_list())
-    assert {c.define_schema().node_id for c in listed} == {"LycorisLoader", "LycorisLoaderModelOnly"}
+    assert {c.define_schema().node_id for c in listed} == {"LycorisLoader", "LycorisLoaderModelOnly", "LycorisInfo"}
 
 
 # --- applying ------------------------------------------------------------------------------------------------------

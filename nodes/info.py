@@ -1,0 +1,57 @@
+"""LyCORIS Info: what a file is, and (with a model/clip connected) exactly what it does to them."""
+
+import json
+
+from comfy_api.latest import io
+
+from ..lycoris_core.summary import summarize
+from .apply import map_file
+from .cache import load_cached
+from .loaders import CATEGORY, _lycoris_input, lycoris_path
+from .report import block_changes, payload, roots_of
+
+
+class LycorisInfo(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LycorisInfo",
+            display_name="LyCORIS Info",
+            category=CATEGORY,
+            description=(
+                "Shows what a LyCORIS/LoRA file is (algorithms, rank, alpha, DoRA, base model, training metadata, "
+                "trigger words) and, when a model or clip is connected, which modules fit it, which do not and why, "
+                "and how much each block changes at the given strength. Patches nothing."
+            ),
+            is_output_node=True,
+            inputs=[
+                _lycoris_input(),
+                io.Model.Input("model", optional=True, tooltip="Check the file against this diffusion model."),
+                io.Clip.Input("clip", optional=True, tooltip="Check the file against this text encoder."),
+                io.Float.Input("strength", default=1.0, min=-100.0, max=100.0, step=0.01, optional=True,
+                               tooltip="The strength at which the per-block change is measured."),
+            ],
+            outputs=[
+                io.String.Output(display_name="summary", tooltip="What the file is, as readable text."),
+                io.String.Output(display_name="trigger_words",
+                                 tooltip="Trigger words (modelspec trigger phrase, then the most frequent training "
+                                         "tags), comma-separated, ready to join into a prompt."),
+                io.String.Output(display_name="coverage",
+                                 tooltip="JSON: modules applied and not applied (with reasons), parameter share, "
+                                         "per-block change. Empty object when no model or clip is connected."),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, lycoris_name, model=None, clip=None, strength=1.0):
+        path = lycoris_path(lycoris_name)
+        summary = summarize(path)
+        panel = {"summary": summary.to_json(), "line": None, "blocks": None, "problems": []}
+        coverage_text = "{}"
+        if model is not None or clip is not None:
+            _patches, report = map_file(load_cached(path), model, clip, reference=False)
+            blocks = block_changes(report, roots_of(model, clip), {"model": strength, "clip": strength})
+            panel = payload(path, report, blocks)
+            coverage_text = json.dumps({k: v for k, v in panel.items() if k != "summary"}, indent=1)
+        return io.NodeOutput(summary.text(), ", ".join(summary.trigger_words), coverage_text,
+                             ui={"lycoris": [panel]})

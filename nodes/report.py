@@ -1,0 +1,65 @@
+"""What a file did to this model, for the UI: per-block relative change and the JSON payload the panel draws."""
+
+import math
+from collections import defaultdict
+
+import comfy.model_management
+import comfy.model_patcher
+import torch
+
+from ..lycoris_core import change_norms
+from ..lycoris_core.blocks import block_of
+from ..lycoris_core.summary import summarize
+from .apply import Applied, ApplyReport
+
+# Measuring the change costs about one patch pass over the touched weights; above this many weight elements the
+# loaders leave it to the LyCORIS Info node so a strength change stays quick.
+LOADER_MEASURE_BUDGET = 150_000_000
+
+
+def _weight_fp32(root: torch.nn.Module, applied: Applied) -> torch.Tensor:
+    """The target weight as ComfyUI would patch it: an fp32 copy, dequantised, narrowed to the module's slice."""
+    weight, _set, convert = comfy.model_patcher.get_key_weight(root, applied.target.key)
+    temp = comfy.model_management.cast_to_device(weight, weight.device, torch.float32, copy=True)
+    if convert is not None:
+        temp = convert(temp, inplace=True)
+    if applied.target.offset is not None:
+        temp = temp.narrow(*applied.target.offset)
+    return temp
+
+
+def touched_elements(report: ApplyReport) -> int:
+    return sum(math.prod(a.target.shape) for a in report.targets.values())
+
+
+def block_changes(report: ApplyReport, roots: dict[str, torch.nn.Module], strengths: dict[str, float]) -> list[dict]:
+    """[{name, change = ‖ΔW‖/‖W‖ over the block at its side's strength, modules}], in model order."""
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    for applied in report.targets.values():
+        side = applied.target.side
+        if side not in roots:
+            continue
+        with torch.no_grad():
+            change2, weight2 = change_norms(applied.plan, applied.module.tensors,
+                                            _weight_fp32(roots[side], applied), strengths[side])
+        entry = sums[block_of(applied.target.key)]
+        entry[0] += change2
+        entry[1] += weight2
+        entry[2] += 1
+    return [{"name": name, "change": math.sqrt(c / w) if w else 0.0, "modules": n} for name, (c, w, n) in sums.items()]
+
+
+def roots_of(model, clip) -> dict[str, torch.nn.Module]:
+    roots = {}
+    if model is not None:
+        roots["model"] = model.model
+    if clip is not None:
+        roots["clip"] = clip.cond_stage_model
+    return roots
+
+
+def payload(path, report: ApplyReport, blocks: list[dict] | None) -> dict:
+    data = report.to_json()
+    data["blocks"] = blocks
+    data["summary"] = summarize(path).to_json()
+    return data
