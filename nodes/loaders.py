@@ -3,7 +3,7 @@
 import folder_paths
 from comfy_api.latest import io
 
-from .apply import apply_file, is_off
+from .apply import apply_file, is_off, map_file
 from .cache import load_cached
 from .report import LOADER_MEASURE_BUDGET, block_changes, payload, roots_of, touched_elements
 
@@ -43,6 +43,15 @@ def _ui(path: str, report, model, clip, strength_model: float, strength_clip: fl
     return {"lycoris": [payload(path, report, blocks)]}
 
 
+def _ui_off(lycoris_name: str, model, clip) -> dict:
+    """At strength 0 nothing is patched, but the panel should still say what would fit instead of an old report."""
+    path = lycoris_path(lycoris_name)
+    _patches, report = map_file(load_cached(path), model, clip, reference=False)
+    data = payload(path, report, None)
+    data["line"] = f"{report.file}: strength 0, nothing applied ({len(report.applied)}/{report.total} modules fit)"
+    return {"lycoris": [data]}
+
+
 class LycorisLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -74,7 +83,7 @@ class LycorisLoader(io.ComfyNode):
     def execute(cls, model, clip, lycoris_name, strength_model, strength_clip, strength_mode="linear"):
         reference = strength_mode == "lycoris"
         if is_off(strength_model, reference) and is_off(strength_clip, reference):
-            return io.NodeOutput(model, clip)
+            return io.NodeOutput(model, clip, ui=_ui_off(lycoris_name, model, clip))
         path = lycoris_path(lycoris_name)
         new_model, new_clip, report = apply_file(load_cached(path), model, clip, strength_model, strength_clip,
                                                  reference)
@@ -106,7 +115,7 @@ class LycorisLoaderModelOnly(io.ComfyNode):
     def execute(cls, model, lycoris_name, strength_model, strength_mode="linear"):
         reference = strength_mode == "lycoris"
         if is_off(strength_model, reference):
-            return io.NodeOutput(model)
+            return io.NodeOutput(model, ui=_ui_off(lycoris_name, model, None))
         path = lycoris_path(lycoris_name)
         new_model, _clip, report = apply_file(load_cached(path), model, None, strength_model, 0.0, reference)
         return io.NodeOutput(new_model, ui=_ui(path, report, model, None, strength_model, 0.0))

@@ -42,6 +42,55 @@ stamp_inputs() {
 }
 STAMP="$DEPS/.setup-$(stamp_inputs | sha256sum | cut -c1-16)"
 
+# The browser test's pieces (tests/e2e/test_browser_panel.py): Debian's Chromium and playwright-core from npm.
+# Checked on every run, before the stamp, because they live outside .deps (apt) or can be removed on their own;
+# each is installed only when missing (or, for npm, when the lock file changed). Nothing here is fatal: without
+# them the other tests still run, and the browser test fails saying what is missing.
+BROWSER_DIR="$ROOT/tests/browser"
+install_chromium() {
+    if [[ -x /usr/bin/chromium ]]; then
+        return
+    fi
+    if ! command -v apt-get >/dev/null 2>&1; then
+        log "WARNING: no /usr/bin/chromium and no apt-get: install Chromium for the browser test"
+        return
+    fi
+    if [[ "$(id -u)" != 0 ]]; then
+        log "WARNING: no /usr/bin/chromium and not root: run 'apt-get install -y chromium' as root for the browser test"
+        return
+    fi
+    log "apt-get install chromium (for the browser test)"
+    local start=$SECONDS
+    if DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; then
+        log "chromium installed in $((SECONDS - start)) s: $(/usr/bin/chromium --version 2>/dev/null)"
+    else
+        log "WARNING: apt-get install chromium failed; the browser test will fail"
+    fi
+}
+install_playwright() {
+    local lock="$BROWSER_DIR/package-lock.json" mark="$BROWSER_DIR/node_modules/.lock-sha256"
+    local want
+    want="$(sha256sum "$lock" | cut -c1-64)"
+    if [[ -f "$BROWSER_DIR/node_modules/playwright-core/package.json" && -f "$mark" && "$(cat "$mark")" == "$want" ]]; then
+        return
+    fi
+    if ! command -v npm >/dev/null 2>&1; then
+        log "WARNING: no npm: install Node.js 20+ and npm for the browser test"
+        return
+    fi
+    log "npm ci in tests/browser (playwright-core; it downloads no browser)"
+    local start=$SECONDS
+    if (cd "$BROWSER_DIR" && npm ci --no-audit --no-fund --loglevel=error); then
+        echo "$want" > "$mark"
+        log "npm ci done in $((SECONDS - start)) s"
+    else
+        log "WARNING: npm ci failed in tests/browser; the browser test will fail"
+    fi
+}
+install_chromium
+install_playwright
+
 if [[ -f "$STAMP" && -x "$PY" && -f "$COMFY_DIR/main.py" ]]; then
     log "up to date ($(basename "$STAMP")); ComfyUI at $COMFY_DIR"
     exit 0

@@ -24,7 +24,9 @@ def test_pyproject_has_registry_fields():
     assert project["project"]["urls"]["Repository"]
     assert project["project"]["dependencies"] == []  # torch and safetensors come with ComfyUI
     comfy = project["tool"]["comfy"]
-    assert comfy["PublisherId"] and comfy["DisplayName"] and comfy["web"] == "web"
+    assert comfy["PublisherId"] and comfy["DisplayName"]
+    # WEB_DIRECTORY registers web/; a [tool.comfy] web entry as well would make the frontend load our JS twice.
+    assert "web" not in comfy and lycoris_nodes.WEB_DIRECTORY == "./web"
 
 
 def test_comfy_node_validate_passes_with_its_ruff_scan():

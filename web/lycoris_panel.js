@@ -1,0 +1,439 @@
+// LyCORIS panel: what a LyCORIS file is (GET /lycoris/info) and what it did (the node's "lycoris" UI output).
+//
+// One DOM widget named "lycoris_panel" on each node type below. It is plain DOM (no canvas drawing), so the same
+// element shows in the classic LiteGraph canvas and in the Vue "Nodes 2.0" renderer. It is not serialized: workflow
+// JSON and widgets_values stay exactly as without the extension.
+
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+
+const NODE_TYPES = ["LycorisLoader", "LycorisLoaderModelOnly", "LycorisInfo"];
+const PANEL_WIDGET = "lycoris_panel";
+const NAME_WIDGET = "lycoris_name";
+const MAX_PROBLEMS = 5;
+const COPIED_MS = 1500;
+const MARGIN = 8; // px around the panel inside the node (the DOM widget default is 10)
+
+let cssLoaded = false;
+function loadCss() {
+    if (cssLoaded) return;
+    cssLoaded = true;
+    const link = document.createElement("link");
+    link.rel = "stylesheet";
+    link.href = new URL("./lycoris_panel.css", import.meta.url).href;
+    document.head.appendChild(link);
+}
+
+function el(tag, className, text) {
+    const node = document.createElement(tag);
+    if (className) node.className = className;
+    if (text !== undefined) node.textContent = text;
+    return node;
+}
+
+function fmtNum(x) {
+    if (typeof x !== "number" || !isFinite(x)) return String(x);
+    if (Number.isInteger(x)) return String(x);
+    return Math.abs(x) >= 0.1 ? x.toFixed(2) : x.toPrecision(2);
+}
+
+function fmtRange(range) {
+    if (!range || range.min == null) return null;
+    return range.min === range.max ? fmtNum(range.min) : `${fmtNum(range.min)}–${fmtNum(range.max)}`;
+}
+
+function fmtSize(bytes) {
+    if (typeof bytes !== "number") return null;
+    const units = ["B", "KB", "MB", "GB"];
+    let i = 0;
+    while (bytes >= 1024 && i < units.length - 1) {
+        bytes /= 1024;
+        i++;
+    }
+    return `${i ? bytes.toFixed(1) : bytes} ${units[i]}`;
+}
+
+function entries(obj) {
+    return obj && typeof obj === "object" ? Object.entries(obj) : [];
+}
+
+async function copyText(text) {
+    try {
+        await navigator.clipboard.writeText(text);
+        return true;
+    } catch {
+        // Not a secure context, or clipboard permission denied: the old way.
+        const area = el("textarea");
+        area.value = text;
+        area.setAttribute("readonly", "");
+        area.style.cssText = "position:fixed;left:-9999px;top:0;opacity:0";
+        document.body.appendChild(area);
+        area.select();
+        let ok = false;
+        try {
+            ok = document.execCommand("copy");
+        } catch {
+            ok = false;
+        }
+        area.remove();
+        return ok;
+    }
+}
+
+class LycorisPanel {
+    constructor(node) {
+        this.node = node;
+        this.info = null; // GET /lycoris/info answer for this.infoName
+        this.infoName = null;
+        this.error = null; // text shown when the route failed
+        this.loading = false;
+        this.report = null; // the last run's report
+        this.reportName = null; // the file it was for
+        this.requestId = 0;
+        this.lastHeight = 0;
+
+        this.root = el("div", "lycoris-panel");
+        this.content = el("div", "lycoris-content"); // natural height, measured for the node's size
+        this.root.appendChild(this.content);
+        // Re-fit the node when the content is first laid out (mounting happens after render) or re-wraps.
+        if (typeof ResizeObserver === "function") {
+            this.observer = new ResizeObserver(() => {
+                const before = this.lastHeight;
+                if (this.measure() !== before) this.fitNode();
+            });
+            this.observer.observe(this.content);
+        }
+        this.root.addEventListener("wheel", (e) => this.onWheel(e), { passive: false });
+        this.render();
+    }
+
+    /** The wheel zooms the canvas, as over the rest of the node, unless it scrolls a part of the panel. */
+    onWheel(e) {
+        for (let el = e.target; el && el !== this.root.parentElement; el = el.parentElement) {
+            if (el.scrollHeight > el.clientHeight + 1 && /auto|scroll/.test(getComputedStyle(el).overflowY)) return;
+        }
+        const canvas = app.canvas?.canvas;
+        if (!canvas) return;
+        e.preventDefault();
+        e.stopPropagation();
+        const { clientX, clientY, deltaX, deltaY, deltaMode, ctrlKey, metaKey, shiftKey } = e;
+        canvas.dispatchEvent(
+            new WheelEvent("wheel", { clientX, clientY, deltaX, deltaY, deltaMode, ctrlKey, metaKey, shiftKey }),
+        );
+    }
+
+    dispose() {
+        this.observer?.disconnect();
+        this.requestId++;
+    }
+
+    nameWidget() {
+        return this.node.widgets?.find((w) => w.name === NAME_WIDGET);
+    }
+
+    currentName() {
+        const value = this.nameWidget()?.value;
+        return typeof value === "string" && value ? value : null;
+    }
+
+    /** Fetch the metadata of the selected file unless it is already shown (or being fetched). */
+    async refresh(force = false) {
+        const name = this.currentName();
+        if (!name) {
+            this.info = null;
+            this.infoName = null;
+            this.error = this.nameWidget() ? "no file selected" : null;
+            this.render();
+            return;
+        }
+        if (!force && name === this.infoName && (this.info || this.loading)) return;
+        if (this.report && this.reportName !== name) this.report = null; // the last run was another file
+        const id = ++this.requestId;
+        this.infoName = name;
+        this.loading = true;
+        this.error = null;
+        this.render();
+        let info = null;
+        let error = null;
+        try {
+            const resp = await api.fetchApi(`/lycoris/info?name=${encodeURIComponent(name)}`);
+            let body = null;
+            try {
+                body = await resp.json();
+            } catch {
+                body = null;
+            }
+            if (!resp.ok) error = body?.error || `HTTP ${resp.status} ${resp.statusText || ""}`.trim();
+            else if (!body || typeof body !== "object") error = "unexpected answer from /lycoris/info";
+            else info = body;
+        } catch (e) {
+            error = `could not load metadata: ${e?.message || e}`;
+        }
+        if (id !== this.requestId) return; // a newer request won
+        this.loading = false;
+        this.info = info;
+        this.error = error;
+        this.render();
+    }
+
+    onExecuted(output) {
+        const report = Array.isArray(output?.lycoris) ? output.lycoris[0] : output?.lycoris;
+        if (!report || typeof report !== "object") return;
+        this.report = report;
+        this.reportName = report.summary?.name ?? this.currentName();
+        if (report.summary && typeof report.summary === "object") {
+            this.info = report.summary;
+            this.infoName = report.summary.name ?? this.currentName();
+            this.error = null;
+            this.loading = false;
+            this.requestId++; // an older pending fetch must not overwrite this
+        }
+        this.render();
+    }
+
+    render() {
+        try {
+            this.content.replaceChildren(...this.sections());
+        } catch (e) {
+            // Never break the node: show what went wrong instead.
+            this.content.replaceChildren(el("div", "lycoris-status lycoris-error", `panel error: ${e?.message || e}`));
+        }
+        this.root.dataset.nodeId = String(this.node.id);
+        this.fitNode();
+    }
+
+    sections() {
+        const out = [];
+        const info = this.info;
+        if (info) out.push(this.header(info));
+        if (this.loading && !info) out.push(el("div", "lycoris-status", "loading metadata…"));
+        if (this.error) out.push(el("div", "lycoris-status lycoris-error", this.error));
+        if (info?.trigger_words?.length) out.push(this.triggers(info.trigger_words));
+        const report = this.report;
+        if (report && (report.line || report.total != null)) {
+            out.push(this.coverage(report));
+            if (report.blocks?.length) out.push(this.chart(report.blocks));
+            else if (report.blocks === null && report.applied > 0) {
+                const note = "per-block change not measured here (large file): see LyCORIS Info";
+                out.push(el("div", "lycoris-note", note));
+            }
+        } else if (report) {
+            // LyCORIS Info without a model or clip: what the file is, not what it does.
+            out.push(el("div", "lycoris-coverage lycoris-idle", "connect a model or clip to see what it changes"));
+        } else if (info) {
+            out.push(el("div", "lycoris-coverage lycoris-idle", "run the workflow to see what it changed"));
+        }
+        return out;
+    }
+
+    header(info) {
+        const box = el("div", "lycoris-header");
+        const title = el("div", "lycoris-title", info.title || info.name || this.infoName || "");
+        title.title = info.name || "";
+        box.appendChild(title);
+
+        const algos = entries(info.algorithms).map(([algo, n]) => `${algo} ×${n}`);
+        const algoLine = el("div", "lycoris-algos", algos.length ? algos.join(", ") : "no modules recognised");
+        box.appendChild(algoLine);
+
+        const facts = [];
+        if (info.module_count != null) facts.push(`${info.module_count} modules`);
+        const rank = fmtRange(info.rank);
+        if (rank) facts.push(`rank ${rank}`);
+        const convRank = fmtRange(info.conv_rank);
+        if (convRank) facts.push(`conv rank ${convRank}`);
+        if (info.tucker) facts.push("Tucker");
+        const alpha = fmtRange(info.alpha);
+        if (alpha) facts.push(`alpha ${alpha}`);
+        if (info.dora_axis) facts.push(`DoRA ${info.dora_axis}`);
+        const dtypes = entries(info.dtypes).map(([d]) => d);
+        if (dtypes.length) facts.push(dtypes.join("/"));
+        const size = fmtSize(info.size_bytes);
+        if (size) facts.push(size);
+        if (facts.length) box.appendChild(el("div", "lycoris-meta", facts.join(" · ")));
+
+        const base = info.base_model || {};
+        if (base.declared || base.inferred) {
+            let text = `base: ${base.declared || base.inferred}`;
+            if (!base.declared) text += " (from its keys)";
+            else if (base.inferred && base.inferred !== base.declared) text += ` (declared), ${base.inferred} (from its keys)`;
+            box.appendChild(el("div", "lycoris-base", text));
+        }
+        const training = entries(info.training);
+        if (training.length) {
+            // Full training metadata as a tooltip: the panel stays small.
+            box.title = training.map(([k, v]) => `${k}: ${v}`).join("\n");
+        }
+        return box;
+    }
+
+    triggers(words) {
+        const box = el("div", "lycoris-triggers");
+        const status = el("span", "lycoris-copied");
+        for (const word of words) {
+            const chip = el("button", "lycoris-trigger", word);
+            chip.type = "button";
+            chip.title = "copy to clipboard";
+            // A chip is a button, not a handle to drag the node by.
+            chip.addEventListener("pointerdown", (e) => e.stopPropagation());
+            chip.addEventListener("click", async (e) => {
+                e.stopPropagation();
+                const ok = await copyText(word);
+                status.textContent = ok ? "copied" : "copy failed";
+                chip.classList.toggle("lycoris-done", ok);
+                clearTimeout(this.copiedTimer);
+                this.copiedTimer = setTimeout(() => {
+                    status.textContent = "";
+                    chip.classList.remove("lycoris-done");
+                }, COPIED_MS);
+            });
+            box.appendChild(chip);
+        }
+        box.appendChild(status);
+        return box;
+    }
+
+    coverage(report) {
+        // Modules that did not fit, then file keys that belong to no module: [key, reason] pairs.
+        const list = (x) => (Array.isArray(x) ? x : []);
+        const problems = [...list(report.problems), ...list(report.unused_keys)];
+        const nothing = report.applied === 0 && report.total > 0;
+        const partial = problems.length > 0 || report.applied < report.total || !!report.verdict;
+        const level = nothing ? "lycoris-error" : partial ? "lycoris-warn" : "lycoris-ok";
+        const box = el("div", `lycoris-coverage ${level}`);
+        box.appendChild(el("div", "lycoris-line", report.line || `${report.applied}/${report.total} modules applied`));
+        if (problems.length) {
+            const items = el("ul", "lycoris-problems");
+            for (const problem of problems.slice(0, MAX_PROBLEMS)) {
+                const [key, reason] = Array.isArray(problem) ? problem : [problem, ""];
+                const item = el("li", null, reason ? `${key}: ${reason}` : String(key));
+                item.title = item.textContent;
+                items.appendChild(item);
+            }
+            if (problems.length > MAX_PROBLEMS) {
+                items.appendChild(el("li", "lycoris-more", `… and ${problems.length - MAX_PROBLEMS} more`));
+            }
+            box.appendChild(items);
+        }
+        return box;
+    }
+
+    chart(blocks) {
+        const box = el("div", "lycoris-chart");
+        box.appendChild(el("div", "lycoris-chart-title", "change per block (‖ΔW‖/‖W‖)"));
+        const size = (b) => (typeof b.change === "number" && isFinite(b.change) ? Math.abs(b.change) : 0);
+        const max = Math.max(...blocks.map(size));
+        for (const block of blocks) {
+            const change = size(block);
+            const row = el("div", "lycoris-row");
+            row.title = `${block.name}: ${fmtNum(block.change)}`;
+            if (block.modules != null) row.title += ` (${block.modules} modules)`;
+            row.appendChild(el("span", "lycoris-block-name", block.name));
+            const track = el("span", "lycoris-track");
+            const bar = el("span", "lycoris-bar");
+            bar.style.width = `${max > 0 ? Math.max(1, (100 * change) / max) : 0}%`;
+            track.appendChild(bar);
+            row.appendChild(track);
+            row.appendChild(el("span", "lycoris-value", fmtNum(block.change)));
+            box.appendChild(row);
+        }
+        return box;
+    }
+
+    /** Natural height of the panel (content + padding); 0 until first laid out, then the last height seen (hidden). */
+    measure() {
+        const h = this.content.offsetHeight;
+        if (h > 0) {
+            const style = getComputedStyle(this.root);
+            this.lastHeight = h + parseFloat(style.paddingTop) + parseFloat(style.paddingBottom);
+        }
+        return this.lastHeight;
+    }
+
+    /** Grow the node (classic renderer) when the content no longer fits; never shrink what the user sized. */
+    fitNode() {
+        requestAnimationFrame(() => {
+            const node = this.node;
+            if (!node.graph || !node.computeSize) return;
+            this.measure();
+            const want = node.computeSize();
+            if (node.size[1] < want[1]) node.setSize([node.size[0], want[1]]);
+            node.setDirtyCanvas?.(true, true);
+        });
+    }
+}
+
+function addPanel(node) {
+    if (node.widgets?.some((w) => w.name === PANEL_WIDGET)) return node.lycorisPanel;
+    loadCss();
+    const panel = new LycorisPanel(node);
+    const widget = node.addDOMWidget(PANEL_WIDGET, "lycoris_panel", panel.root, {
+        serialize: false,
+        hideOnZoom: false,
+        getValue: () => undefined,
+        setValue: () => {},
+        // The panel's natural height (a fallback before it is first laid out) plus the widget's margins.
+        getMinHeight: () => Math.max(panel.measure(), 40) + 2 * MARGIN,
+        margin: MARGIN,
+    });
+    widget.serialize = false; // not in widgets_values, not sent with the prompt
+    widget.serializeValue = () => undefined;
+    node.lycorisPanel = panel;
+    const onRemoved = node.onRemoved;
+    node.onRemoved = function (...args) {
+        panel.dispose();
+        return onRemoved?.apply(this, args);
+    };
+
+    const nameWidget = panel.nameWidget();
+    if (nameWidget) {
+        const callback = nameWidget.callback;
+        nameWidget.callback = function (...args) {
+            const result = callback?.apply(this, args);
+            panel.refresh();
+            return result;
+        };
+    }
+    // After the graph's configure() has set the saved widget values (a no-op if loadedGraphNode did it).
+    setTimeout(() => panel.refresh(), 0);
+    return panel;
+}
+
+const extension = {
+    name: "lycoris_nodes.panel",
+
+    async beforeRegisterNodeDef(nodeType, nodeData) {
+        if (!NODE_TYPES.includes(nodeData.name)) return;
+        const onExecuted = nodeType.prototype.onExecuted;
+        nodeType.prototype.onExecuted = function (output) {
+            const result = onExecuted?.apply(this, arguments);
+            try {
+                this.lycorisPanel?.onExecuted(output);
+            } catch (e) {
+                console.error("[lycoris_panel] onExecuted:", e);
+            }
+            return result;
+        };
+    },
+
+    nodeCreated(node) {
+        if (!NODE_TYPES.includes(node.comfyClass)) return;
+        try {
+            addPanel(node);
+        } catch (e) {
+            console.error("[lycoris_panel] could not add the panel:", e);
+        }
+    },
+
+    loadedGraphNode(node) {
+        if (!NODE_TYPES.includes(node.comfyClass)) return;
+        node.lycorisPanel?.refresh();
+    },
+};
+
+// ComfyUI serves the web folder under two URLs when the pack's folder name differs from its pyproject name
+// (WEB_DIRECTORY and [tool.comfy] web both register it), and the frontend then imports this file twice.
+if (!window.__lycorisPanelExtension) {
+    window.__lycorisPanelExtension = import.meta.url;
+    app.registerExtension(extension);
+}
