@@ -174,6 +174,30 @@ def infer_family(in_features: dict[str, int | None]) -> str | None:
     return None
 
 
+# Canonical family ids, so metadata values, our inferred names and ComfyUI's model classes can be compared.
+FAMILY_IDS: tuple[tuple[str, str], ...] = (
+    ("sdxl", r"sdxl|stable-diffusion-xl"),
+    ("sd3", r"sd3|stable-diffusion-3"),
+    ("sd2", r"sd_?v2|stable-diffusion-v2|^sd2"),
+    ("sd1", r"sd_?v1|stable-diffusion-v1|^sd1"),
+    ("flux", r"flux|chroma"),
+    ("wan", r"^wan"),
+    ("qwen-image", r"qwen"),
+    ("hunyuan-video", r"hunyuan"),
+    ("lumina", r"lumina"),
+    ("hidream", r"hidream"),
+    ("ltx", r"^ltx"),
+)
+
+
+def family_id(name: str | None) -> str | None:
+    """'sd_v1', 'stable-diffusion-v1/lora', 'SD1.x' and ComfyUI's 'SD15' all give 'sd1'; unknown names give None."""
+    if not name:
+        return None
+    lowered = name.lower()
+    return next((fid for fid, pattern in FAMILY_IDS if re.search(pattern, lowered)), None)
+
+
 def declared_family(metadata: dict[str, str]) -> str | None:
     return metadata.get("ss_base_model_version") or metadata.get("modelspec.architecture") or None
 

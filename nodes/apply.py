@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import comfy.lora
 
 from ..lycoris_core import LycorisError, LycorisFile, Module, Plan
-from ..lycoris_core.summary import infer_family
+from ..lycoris_core.block_weights import BlockWeights
+from ..lycoris_core.summary import declared_family, family_id, infer_family
 from .adapter import LycorisAdapter
 
 log = logging.getLogger("lycoris_nodes")
@@ -92,9 +93,24 @@ def _bias_key(patch_key):
     return (key[: -len(".weight")] + ".bias", offset, *patch_key[2:])
 
 
-def _nearest(prefix: str, key_map: dict) -> str:
-    close = difflib.get_close_matches(prefix, list(key_map), n=1, cutoff=0.75)
+NO_SUCH_WEIGHT = "no weight of this model has this name"
+
+
+def _nearest(prefix: str, names: list[str]) -> str:
+    """The closest module name of this model, searched among names of about the same length and start (difflib
+    over a whole key map costs ~0.06 s a module, too slow for a file made for another model)."""
+    pool = [n for n in names if n[:6] == prefix[:6] and abs(len(n) - len(prefix)) <= 4]
+    close = difflib.get_close_matches(prefix, pool, n=1, cutoff=0.75)
     return f"; nearest name in this model: {close[0]}" if close else ""
+
+
+def _add_nearest_names(report: ApplyReport, lfile: LycorisFile, key_map: dict) -> None:
+    names = [k for k in key_map if isinstance(k, str)]
+    listed = 0
+    for i, (module_key, reason) in enumerate(report.problems):
+        if reason == NO_SUCH_WEIGHT and listed < MAX_LISTED:
+            report.problems[i] = (module_key, reason + _nearest(lfile.modules[module_key].prefix, names))
+            listed += 1
 
 
 def find_target(module: Module, key_map: dict, shapes: dict[str, dict]) -> Target | str:
@@ -103,7 +119,7 @@ def find_target(module: Module, key_map: dict, shapes: dict[str, dict]) -> Targe
     if patch_key is None:
         if module.prefix.startswith(TEXT_ENCODER_PREFIXES) and "clip" not in shapes:
             return "text-encoder module, but no CLIP is connected"
-        return "no weight of this model has this name" + _nearest(module.prefix, key_map)
+        return NO_SUCH_WEIGHT
     if module.param == "bias":
         patch_key = _bias_key(patch_key)
         if patch_key is None:
@@ -145,11 +161,22 @@ def build_patches(lfile: LycorisFile, key_map: dict, shapes: dict[str, dict], re
 
 
 def family_verdict(lfile: LycorisFile, report: ApplyReport, model_family: str | None) -> str:
-    """One sentence when most of the file misses and it looks made for another model family."""
-    if len(report.applied) * 2 > report.total:
+    """One sentence when the file does not fit and looks made for another model family than this model's.
+
+    Modules missing only because no CLIP is connected are not a misfit, and a file of this model's own family gets
+    no verdict whatever else went wrong (its problems are listed one by one instead).
+    """
+    misfits = [key for key, reason in report.problems if "no CLIP is connected" not in reason]
+    if len(misfits) < len(report.applied):
         return ""
-    declared = lfile.metadata.get("ss_base_model_version") or lfile.metadata.get("modelspec.architecture")
+    declared = declared_family(lfile.metadata)
     inferred = infer_family({m.prefix: m.layout.flat_in for m in lfile.modules.values()})
+    file_ids = {family_id(declared), family_id(inferred)} - {None}
+    model_id = family_id(model_family)
+    if model_id is not None and model_id in file_ids:
+        return ""
+    if not file_ids and report.applied:
+        return ""  # nothing says it is for another model: the problems list speaks for itself
     made_for = " / ".join(dict.fromkeys(x for x in (declared, inferred) if x)) or "another model"
     return f"This file looks made for {made_for}, not for this {model_family or 'model'}."
 
@@ -174,6 +201,8 @@ def map_file(lfile: LycorisFile, model, clip, reference: bool) -> tuple[dict[str
         shapes["clip"] = model_shapes(clip.cond_stage_model)
     patches, report = build_patches(lfile, key_map, shapes, reference)
     report.verdict = family_verdict(lfile, report, model_family(model))
+    if not report.verdict:  # for a file made for another model, nearest names would only mislead
+        _add_nearest_names(report, lfile, key_map)
     return patches, report
 
 
@@ -185,9 +214,12 @@ def nothing_applied_error(report: ApplyReport) -> LycorisError:
         f"Most common reason: {reasons[0][0] if reasons else 'none'}. Examples: {examples}", file=report.file)
 
 
-def apply_file(lfile: LycorisFile, model, clip, strength_model: float, strength_clip: float, reference: bool):
+def apply_file(lfile: LycorisFile, model, clip, strength_model: float, strength_clip: float, reference: bool,
+               block_weights: BlockWeights | None = None):
     """(patched model clone, patched clip clone, report); a side stays the input object when its strength is off.
 
+    `block_weights` multiplies each weight's strength (through add_patches' strength_patch, so every algorithm
+    scales like it does with the strength); a block weight of 0 leaves that block untouched.
     Raises LycorisError when nothing in the file fits the model/clip given.
     """
     patches, report = map_file(lfile, model, clip, reference)
@@ -197,8 +229,9 @@ def apply_file(lfile: LycorisFile, model, clip, strength_model: float, strength_
         log.warning("LyCORIS %s; not applied:\n%s", report.line(), report.details())
     else:
         log.info("LyCORIS %s", report.line())
-    new_model = _patched(model, patches.get("model"), strength_model, reference, report)
-    new_clip = _patched(clip, patches.get("clip"), strength_clip, reference, report)
+    weights = block_weights or BlockWeights()
+    new_model = _patched(model, patches.get("model"), strength_model, reference, report, weights)
+    new_clip = _patched(clip, patches.get("clip"), strength_clip, reference, report, weights)
     return new_model, new_clip, report
 
 
@@ -207,12 +240,24 @@ def is_off(strength: float, reference: bool) -> bool:
     return strength == 0 and not reference
 
 
-def _patched(target, patches: dict | None, strength: float, reference: bool, report: ApplyReport):
+def _by_block_weight(patches: dict, weights: BlockWeights) -> dict[float, dict]:
+    groups: dict[float, dict] = {}
+    for patch_key, adapter in patches.items():
+        key = patch_key if isinstance(patch_key, str) else patch_key[0]
+        groups.setdefault(weights.weight_for(key), {})[patch_key] = adapter
+    groups.pop(0.0, None)  # a block weighted 0 is left exactly as it is
+    return groups
+
+
+def _patched(target, patches: dict | None, strength: float, reference: bool, report: ApplyReport,
+             weights: BlockWeights):
     if target is None or not patches or is_off(strength, reference):
         return target
     patched = target.clone()
-    accepted = set(patched.add_patches(patches, strength))
-    refused = [k for k in patches if k not in accepted]
+    refused = []
+    for weight, group in _by_block_weight(patches, weights).items():
+        accepted = set(patched.add_patches(group, strength * weight))
+        refused += [k for k in group if k not in accepted]
     if refused:
         # add_patches only refuses keys missing from the state dict, which find_target already ruled out.
         raise LycorisError(f"ComfyUI refused {len(refused)} patches, e.g. {refused[0]}", file=report.file)

@@ -46,7 +46,19 @@ def block_changes(report: ApplyReport, roots: dict[str, torch.nn.Module], streng
         entry[0] += change2
         entry[1] += weight2
         entry[2] += 1
-    return [{"name": name, "change": math.sqrt(c / w) if w else 0.0, "modules": n} for name, (c, w, n) in sums.items()]
+    order = _model_order(roots)
+    first_key: dict[str, int] = {}
+    for applied in report.targets.values():
+        name, position = block_of(applied.target.key), order.get(applied.target.key, len(order))
+        first_key[name] = min(first_key.get(name, position), position)
+    return [{"name": name, "change": math.sqrt(c / w) if w else 0.0, "modules": n}
+            for name, (c, w, n) in sorted(sums.items(), key=lambda item: first_key[item[0]])]
+
+
+def _model_order(roots: dict[str, torch.nn.Module]) -> dict[str, int]:
+    """Position of each weight in the model (diffusion model first, then text encoder), to list blocks in order."""
+    keys = [key for side in ("model", "clip") if side in roots for key in roots[side].state_dict()]
+    return {key: i for i, key in enumerate(keys)}
 
 
 def roots_of(model, clip) -> dict[str, torch.nn.Module]:
