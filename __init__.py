@@ -4,9 +4,7 @@ import sys
 
 from comfy_api.latest import ComfyExtension, io
 
-from .nodes import routes
-from .nodes.info import LycorisInfo
-from .nodes.loaders import NODES
+from .nodes import info, loaders, routes, schedule, stack, weighting
 
 WEB_DIRECTORY = "./web"
 
@@ -19,7 +17,7 @@ if _server is not None:
 
 class LycorisExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [*NODES, LycorisInfo]
+        return [*loaders.NODES, info.LycorisInfo, *weighting.NODES, *stack.NODES, *schedule.NODES]
 
 
 async def comfy_entrypoint() -> LycorisExtension:

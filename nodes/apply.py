@@ -206,6 +206,25 @@ def map_file(lfile: LycorisFile, model, clip, reference: bool) -> tuple[dict[str
     return patches, report
 
 
+def patcher_patches(lfile: LycorisFile, patcher, is_clip: bool, reference: bool) -> tuple[dict, ApplyReport]:
+    """Patches for one ModelPatcher (a diffusion model's, or a CLIP's `.patcher`), as hooks receive them."""
+    root = patcher.model
+    key_map = (comfy.lora.model_lora_keys_clip if is_clip else comfy.lora.model_lora_keys_unet)(root, {})
+    side = "clip" if is_clip else "model"
+    patches, report = build_patches(lfile, key_map, {side: model_shapes(root)}, reference)
+    return patches[side], report
+
+
+def by_block_weight(patches: dict, weights: BlockWeights) -> dict[float, dict]:
+    """Patches grouped by their block weight; a block weighted 0 is left out, so it stays exactly as it is."""
+    groups: dict[float, dict] = {}
+    for patch_key, adapter in patches.items():
+        key = patch_key if isinstance(patch_key, str) else patch_key[0]
+        groups.setdefault(weights.weight_for(key), {})[patch_key] = adapter
+    groups.pop(0.0, None)
+    return groups
+
+
 def nothing_applied_error(report: ApplyReport) -> LycorisError:
     reasons = Counter(reason.split(";")[0] for _, reason in report.problems).most_common(1)
     examples = ", ".join(key for key, _ in report.problems[:3])
@@ -240,22 +259,13 @@ def is_off(strength: float, reference: bool) -> bool:
     return strength == 0 and not reference
 
 
-def _by_block_weight(patches: dict, weights: BlockWeights) -> dict[float, dict]:
-    groups: dict[float, dict] = {}
-    for patch_key, adapter in patches.items():
-        key = patch_key if isinstance(patch_key, str) else patch_key[0]
-        groups.setdefault(weights.weight_for(key), {})[patch_key] = adapter
-    groups.pop(0.0, None)  # a block weighted 0 is left exactly as it is
-    return groups
-
-
 def _patched(target, patches: dict | None, strength: float, reference: bool, report: ApplyReport,
              weights: BlockWeights):
     if target is None or not patches or is_off(strength, reference):
         return target
     patched = target.clone()
     refused = []
-    for weight, group in _by_block_weight(patches, weights).items():
+    for weight, group in by_block_weight(patches, weights).items():
         accepted = set(patched.add_patches(group, strength * weight))
         refused += [k for k in group if k not in accepted]
     if refused:

@@ -35,11 +35,12 @@ def lycoris_path(lycoris_name: str) -> str:
     return folder_paths.get_full_path_or_raise("loras", lycoris_name)
 
 
-def _ui(path: str, report, model, clip, strength_model: float, strength_clip: float) -> dict:
+def _ui(path: str, report, model, clip, strength_model: float, strength_clip: float, weights=None) -> dict:
     """The panel's payload: coverage, per-block change (when cheap enough on every run) and the file summary."""
     blocks = None
     if touched_elements(report) <= LOADER_MEASURE_BUDGET:
-        blocks = block_changes(report, roots_of(model, clip), {"model": strength_model, "clip": strength_clip})
+        blocks = block_changes(report, roots_of(model, clip), {"model": strength_model, "clip": strength_clip},
+                               weights)
     return {"lycoris": [payload(path, report, blocks)]}
 
 

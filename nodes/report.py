@@ -8,6 +8,7 @@ import comfy.model_patcher
 import torch
 
 from ..lycoris_core import change_norms
+from ..lycoris_core.block_weights import BlockWeights
 from ..lycoris_core.blocks import block_of
 from ..lycoris_core.summary import summarize
 from .apply import Applied, ApplyReport
@@ -32,16 +33,19 @@ def touched_elements(report: ApplyReport) -> int:
     return sum(math.prod(a.target.shape) for a in report.targets.values())
 
 
-def block_changes(report: ApplyReport, roots: dict[str, torch.nn.Module], strengths: dict[str, float]) -> list[dict]:
-    """[{name, change = ‖ΔW‖/‖W‖ over the block at its side's strength, modules}], in model order."""
+def block_changes(report: ApplyReport, roots: dict[str, torch.nn.Module], strengths: dict[str, float],
+                  weights: BlockWeights | None = None) -> list[dict]:
+    """[{name, change = ‖ΔW‖/‖W‖ over the block at its side's strength × block weight, modules}], in model order."""
+    weights = weights or BlockWeights()
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     for applied in report.targets.values():
         side = applied.target.side
         if side not in roots:
             continue
+        strength = strengths[side] * weights.weight_for(applied.target.key)
         with torch.no_grad():
             change2, weight2 = change_norms(applied.plan, applied.module.tensors,
-                                            _weight_fp32(roots[side], applied), strengths[side])
+                                            _weight_fp32(roots[side], applied), strength)
         entry = sums[block_of(applied.target.key)]
         entry[0] += change2
         entry[1] += weight2

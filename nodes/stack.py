@@ -1,0 +1,118 @@
+"""Stacks: several files in one node, as the de-facto LORA_STACK type other packs pass around.
+
+LORA_STACK is a list of (name, strength_model, strength_clip) tuples (Efficiency, Comfyroll, Lora-Manager). Our rows
+are tuples of the same three items, so those packs read them unchanged; block weights ride along as an attribute.
+Files apply in stack order, which matters for GLoRA (its change depends on the weight as it stands).
+"""
+
+import folder_paths
+from comfy_api.latest import io
+
+from ..lycoris_core import LycorisError
+from ..lycoris_core.block_weights import parse
+from .apply import apply_file, is_off
+from .cache import load_cached
+from .loaders import CATEGORY, _mode_input, lycoris_path
+
+LoraStack = io.Custom("LORA_STACK")
+STACK_TOOLTIP = (
+    "One file per line: 'name | strength_model | strength_clip | block weights'. Strengths default to 1 (clip to the "
+    "model strength); block weights are optional (see LyCORIS Loader (Block Weights)). A line starting with '#' is "
+    "off. Files apply top to bottom."
+)
+
+
+class StackRow(tuple):
+    """(name, strength_model, strength_clip), plus our optional block weights text."""
+
+    block_weights: str = ""
+
+    def __new__(cls, name: str, strength_model: float, strength_clip: float, block_weights: str = ""):
+        row = super().__new__(cls, (name, strength_model, strength_clip))
+        row.block_weights = block_weights
+        return row
+
+
+def _float(text: str, default: float, line: str) -> float:
+    try:
+        return float(text) if text.strip() else default
+    except ValueError:
+        raise LycorisError(f"'{text.strip()}' is not a strength in stack line '{line}'") from None
+
+
+def parse_rows(text: str) -> list[StackRow]:
+    rows = []
+    known = set(folder_paths.get_filename_list("loras"))
+    for line in (raw.strip() for raw in text.splitlines()):
+        if not line or line.startswith("#"):
+            continue
+        name, *rest = (part.strip() for part in line.split("|"))
+        if name not in known:
+            raise LycorisError(f"'{name}' is not a file in the loras folders (stack line '{line}')")
+        strength_model = _float(rest[0], 1.0, line) if rest else 1.0
+        strength_clip = _float(rest[1], strength_model, line) if len(rest) > 1 else strength_model
+        block_weights = rest[2] if len(rest) > 2 else ""
+        parse(block_weights)  # refuse bad block weights now, not when the stack is applied
+        rows.append(StackRow(name, strength_model, strength_clip, block_weights))
+    return rows
+
+
+class LycorisStack(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LycorisStack",
+            display_name="LyCORIS Stack",
+            category=CATEGORY,
+            description="Several LyCORIS/LoRA files, each with its strengths and optional block weights, as a "
+                        "LORA_STACK that LyCORIS Apply Stack (or other packs' stack appliers) apply in order.",
+            inputs=[
+                io.String.Input("stack", multiline=True, default="", tooltip=STACK_TOOLTIP),
+                LoraStack.Input("lora_stack", optional=True,
+                                tooltip="A stack to extend; its files come first."),
+            ],
+            outputs=[LoraStack.Output(display_name="LORA_STACK", tooltip="The stack: incoming rows, then these.")],
+        )
+
+    @classmethod
+    def execute(cls, stack, lora_stack=None):
+        return io.NodeOutput([*(lora_stack or []), *parse_rows(stack)])
+
+
+class LycorisApplyStack(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LycorisApplyStack",
+            display_name="LyCORIS Apply Stack",
+            category=CATEGORY,
+            description="Applies a LORA_STACK to the model and clip, in stack order, exactly as chained LyCORIS "
+                        "Loaders would.",
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model the stack is applied to."),
+                io.Clip.Input("clip", optional=True, tooltip="The text encoder the stack is applied to."),
+                LoraStack.Input("lora_stack", tooltip="Rows of (file, strength_model, strength_clip)."),
+                _mode_input(),
+            ],
+            outputs=[
+                io.Model.Output(display_name="MODEL", tooltip="The patched diffusion model."),
+                io.Clip.Output(display_name="CLIP", tooltip="The patched text encoder."),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, model, lora_stack, clip=None, strength_mode="linear"):
+        reference = strength_mode == "lycoris"
+        lines = []
+        for row in lora_stack:
+            name, strength_model, strength_clip = row[0], float(row[1]), float(row[2])
+            if is_off(strength_model, reference) and is_off(strength_clip, reference):
+                continue
+            weights = parse(getattr(row, "block_weights", ""))
+            model, clip, report = apply_file(load_cached(lycoris_path(name)), model, clip, strength_model,
+                                             strength_clip, reference, weights)
+            lines.append(report.line())
+        return io.NodeOutput(model, clip, ui={"text": lines})
+
+
+NODES: list[type[io.ComfyNode]] = [LycorisStack, LycorisApplyStack]

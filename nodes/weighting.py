@@ -1,0 +1,106 @@
+"""Block weights: the loader with a per-block multiplier written by name, and the list of blocks a file touches."""
+
+from comfy_api.latest import io
+
+from ..lycoris_core.block_weights import parse
+from .apply import apply_file, is_off, map_file
+from .cache import load_cached
+from .loaders import CATEGORY, _lycoris_input, _mode_input, _strength_input, _ui, _ui_off, lycoris_path
+from .presets import CUSTOM, block_weight_text, preset_names
+from .report import block_changes, payload, roots_of
+
+BLOCK_WEIGHTS_TOOLTIP = (
+    "Per-block multipliers on the strengths, by name: 'default=1; input_blocks.4-8=0.5; output_blocks.*=0; te=0.8'. "
+    "Names are the model's own key paths ('*' is any one part, 'a-b' an index range, 'te' the text encoders); the last "
+    "matching rule wins; 0 leaves a block untouched. A1111/Inspire LBW vectors (SD1.5: 17 or 26 numbers, SDXL: 12 or "
+    "20) work too. LyCORIS Block Info lists the blocks a file touches."
+)
+
+
+def block_weights_input() -> io.String.Input:
+    return io.String.Input("block_weights", multiline=True, default="default=1", tooltip=BLOCK_WEIGHTS_TOOLTIP)
+
+
+def preset_input() -> io.Combo.Input:
+    return io.Combo.Input("preset", options=preset_names(), default=CUSTOM, optional=True,
+                          tooltip="A named set of block weights; block_weights rules are applied after it (so they "
+                                  "refine it). 'custom' uses block_weights alone.")
+
+
+class LycorisBlockWeights(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LycorisBlockWeights",
+            display_name="LyCORIS Loader (Block Weights)",
+            category=CATEGORY,
+            description=(
+                "The LyCORIS Loader with a strength multiplier per block of the model, written by block name (any "
+                "architecture) or as an A1111/Inspire LBW vector. Applied per weight through ComfyUI's patch "
+                "strengths, so it is exact for every algorithm."
+            ),
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model the file is applied to."),
+                io.Clip.Input("clip", tooltip="The text encoder the file is applied to."),
+                _lycoris_input(),
+                _strength_input("strength_model", "diffusion model"),
+                _strength_input("strength_clip", "text encoder"),
+                block_weights_input(),
+                preset_input(),
+                _mode_input(),
+            ],
+            outputs=[
+                io.Model.Output(display_name="MODEL", tooltip="The patched diffusion model."),
+                io.Clip.Output(display_name="CLIP", tooltip="The patched text encoder."),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, model, clip, lycoris_name, strength_model, strength_clip, block_weights, preset=CUSTOM,
+                strength_mode="linear"):
+        weights = parse(block_weight_text(preset, block_weights))
+        reference = strength_mode == "lycoris"
+        if is_off(strength_model, reference) and is_off(strength_clip, reference):
+            return io.NodeOutput(model, clip, ui=_ui_off(lycoris_name, model, clip))
+        path = lycoris_path(lycoris_name)
+        new_model, new_clip, report = apply_file(load_cached(path), model, clip, strength_model, strength_clip,
+                                                 reference, weights)
+        return io.NodeOutput(new_model, new_clip,
+                             ui=_ui(path, report, model, clip, strength_model, strength_clip, weights))
+
+
+class LycorisBlockInfo(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LycorisBlockInfo",
+            display_name="LyCORIS Block Info",
+            category=CATEGORY,
+            description="Lists the blocks of this model that a file touches, with module counts and the relative "
+                        "change ‖ΔW‖/‖W‖ of each at the given strength and block weights: the names to use in "
+                        "block weights.",
+            is_output_node=True,
+            inputs=[
+                _lycoris_input(),
+                io.Model.Input("model", tooltip="The diffusion model whose blocks are listed."),
+                io.Clip.Input("clip", optional=True, tooltip="The text encoder whose layers are listed too."),
+                io.Float.Input("strength", default=1.0, min=-100.0, max=100.0, step=0.01, optional=True,
+                               tooltip="The strength at which the change is measured."),
+                io.String.Input("block_weights", multiline=True, default="default=1", optional=True,
+                                tooltip=BLOCK_WEIGHTS_TOOLTIP),
+            ],
+            outputs=[io.String.Output(display_name="blocks",
+                                      tooltip="One line per block: name, modules, change at this strength.")],
+        )
+
+    @classmethod
+    def execute(cls, lycoris_name, model, clip=None, strength=1.0, block_weights="default=1"):
+        path = lycoris_path(lycoris_name)
+        _patches, report = map_file(load_cached(path), model, clip, reference=False)
+        blocks = block_changes(report, roots_of(model, clip), {"model": strength, "clip": strength},
+                               parse(block_weights))
+        lines = [f"{b['name']}: {b['modules']} modules, change {b['change']:.4f}" for b in blocks]
+        return io.NodeOutput("\n".join(lines), ui={"lycoris": [payload(path, report, blocks)]})
+
+
+NODES: list[type[io.ComfyNode]] = [LycorisBlockWeights, LycorisBlockInfo]
