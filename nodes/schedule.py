@@ -111,6 +111,8 @@ class LycorisFade(io.ComfyNode):
         if end_percent < start_percent:
             raise LycorisError(f"end_percent {end_percent} is before start_percent {start_percent}")
         group = comfy.hooks.HookKeyframeGroup()
+        if start_percent > 0:  # without a keyframe at 0 the hooks would run at full strength until the fade starts
+            group.add(comfy.hooks.HookKeyframe(strength_start, 0.0))
         for i in range(keyframes):
             t = i / (keyframes - 1)
             percent = start_percent + t * (end_percent - start_percent)
