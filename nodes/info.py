@@ -7,7 +7,7 @@ from comfy_api.latest import io
 from ..lycoris_core.summary import summarize
 from .apply import map_file
 from .cache import load_cached
-from .loaders import CATEGORY, _lycoris_input, lycoris_path
+from .loaders import CATEGORY, lycoris_input, lycoris_path
 from .report import block_changes, payload, roots_of
 
 
@@ -25,7 +25,7 @@ class LycorisInfo(io.ComfyNode):
             ),
             is_output_node=True,
             inputs=[
-                _lycoris_input(),
+                lycoris_input(),
                 io.Model.Input("model", optional=True, tooltip="Check the file against this diffusion model."),
                 io.Clip.Input("clip", optional=True, tooltip="Check the file against this text encoder."),
                 io.Float.Input("strength", default=1.0, min=-100.0, max=100.0, step=0.01, optional=True,

@@ -16,17 +16,30 @@ STRENGTH_MODE_TOOLTIP = (
 )
 
 
-def _lycoris_input() -> io.Combo.Input:
+def model_input() -> io.Model.Input:
+    return io.Model.Input("model", tooltip="The diffusion model the file is applied to.")
+
+
+def clip_input(optional: bool = False) -> io.Clip.Input:
+    return io.Clip.Input("clip", optional=optional, tooltip="The text encoder the file is applied to.")
+
+
+def model_clip_outputs() -> list:
+    return [io.Model.Output(display_name="MODEL", tooltip="The patched diffusion model."),
+            io.Clip.Output(display_name="CLIP", tooltip="The patched text encoder.")]
+
+
+def lycoris_input() -> io.Combo.Input:
     return io.Combo.Input("lycoris_name", options=folder_paths.get_filename_list("loras"),
                           tooltip="The LyCORIS/LoRA file (.safetensors) from the loras folder.")
 
 
-def _strength_input(name: str, what: str) -> io.Float.Input:
+def strength_input(name: str, what: str) -> io.Float.Input:
     return io.Float.Input(name, default=1.0, min=-100.0, max=100.0, step=0.01,
                           tooltip=f"How strongly to change the {what}. 0 leaves it unchanged; negative inverts.")
 
 
-def _mode_input() -> io.Combo.Input:
+def mode_input() -> io.Combo.Input:
     return io.Combo.Input("strength_mode", options=STRENGTH_MODES, default="linear", optional=True,
                           tooltip=STRENGTH_MODE_TOOLTIP)
 
@@ -35,7 +48,7 @@ def lycoris_path(lycoris_name: str) -> str:
     return folder_paths.get_full_path_or_raise("loras", lycoris_name)
 
 
-def _ui(path: str, report, model, clip, strength_model: float, strength_clip: float, weights=None) -> dict:
+def panel_ui(path: str, report, model, clip, strength_model: float, strength_clip: float, weights=None) -> dict:
     """The panel's payload: coverage, per-block change (when cheap enough on every run) and the file summary."""
     blocks = None
     if touched_elements(report) <= LOADER_MEASURE_BUDGET:
@@ -44,7 +57,7 @@ def _ui(path: str, report, model, clip, strength_model: float, strength_clip: fl
     return {"lycoris": [payload(path, report, blocks)]}
 
 
-def _ui_off(lycoris_name: str, model, clip) -> dict:
+def panel_off(lycoris_name: str, model, clip) -> dict:
     """At strength 0 nothing is patched, but the panel should still say what would fit instead of an old report."""
     path = lycoris_path(lycoris_name)
     _patches, report = map_file(load_cached(path), model, clip, reference=False)
@@ -67,29 +80,26 @@ class LycorisLoader(io.ComfyNode):
                 "nothing is an error."
             ),
             inputs=[
-                io.Model.Input("model", tooltip="The diffusion model the file is applied to."),
-                io.Clip.Input("clip", tooltip="The text encoder the file is applied to."),
-                _lycoris_input(),
-                _strength_input("strength_model", "diffusion model"),
-                _strength_input("strength_clip", "text encoder"),
-                _mode_input(),
+                model_input(),
+                clip_input(),
+                lycoris_input(),
+                strength_input("strength_model", "diffusion model"),
+                strength_input("strength_clip", "text encoder"),
+                mode_input(),
             ],
-            outputs=[
-                io.Model.Output(display_name="MODEL", tooltip="The patched diffusion model."),
-                io.Clip.Output(display_name="CLIP", tooltip="The patched text encoder."),
-            ],
+            outputs=model_clip_outputs(),
         )
 
     @classmethod
     def execute(cls, model, clip, lycoris_name, strength_model, strength_clip, strength_mode="linear"):
         reference = strength_mode == "lycoris"
         if is_off(strength_model, reference) and is_off(strength_clip, reference):
-            return io.NodeOutput(model, clip, ui=_ui_off(lycoris_name, model, clip))
+            return io.NodeOutput(model, clip, ui=panel_off(lycoris_name, model, clip))
         path = lycoris_path(lycoris_name)
         new_model, new_clip, report = apply_file(load_cached(path), model, clip, strength_model, strength_clip,
                                                  reference)
         return io.NodeOutput(new_model, new_clip,
-                             ui=_ui(path, report, model, clip, strength_model, strength_clip))
+                             ui=panel_ui(path, report, model, clip, strength_model, strength_clip))
 
 
 class LycorisLoaderModelOnly(io.ComfyNode):
@@ -104,10 +114,10 @@ class LycorisLoaderModelOnly(io.ComfyNode):
                 "defines it. Text-encoder modules in the file are reported, not applied."
             ),
             inputs=[
-                io.Model.Input("model", tooltip="The diffusion model the file is applied to."),
-                _lycoris_input(),
-                _strength_input("strength_model", "diffusion model"),
-                _mode_input(),
+                model_input(),
+                lycoris_input(),
+                strength_input("strength_model", "diffusion model"),
+                mode_input(),
             ],
             outputs=[io.Model.Output(display_name="MODEL", tooltip="The patched diffusion model.")],
         )
@@ -116,10 +126,10 @@ class LycorisLoaderModelOnly(io.ComfyNode):
     def execute(cls, model, lycoris_name, strength_model, strength_mode="linear"):
         reference = strength_mode == "lycoris"
         if is_off(strength_model, reference):
-            return io.NodeOutput(model, ui=_ui_off(lycoris_name, model, None))
+            return io.NodeOutput(model, ui=panel_off(lycoris_name, model, None))
         path = lycoris_path(lycoris_name)
         new_model, _clip, report = apply_file(load_cached(path), model, None, strength_model, 0.0, reference)
-        return io.NodeOutput(new_model, ui=_ui(path, report, model, None, strength_model, 0.0))
+        return io.NodeOutput(new_model, ui=panel_ui(path, report, model, None, strength_model, 0.0))
 
 
 NODES: list[type[io.ComfyNode]] = [LycorisLoader, LycorisLoaderModelOnly]

@@ -12,7 +12,7 @@ from ..lycoris_core import LycorisError
 from ..lycoris_core.block_weights import BlockWeights, parse
 from .apply import by_block_weight, log, patcher_patches
 from .cache import load_cached
-from .loaders import CATEGORY, _lycoris_input, _strength_input, lycoris_path
+from .loaders import CATEGORY, lycoris_input, lycoris_path, strength_input
 from .weighting import BLOCK_WEIGHTS_TOOLTIP
 
 Hooks = io.Custom("HOOKS")
@@ -61,9 +61,9 @@ class LycorisHook(io.ComfyNode):
                         "to schedule its strength over the sampling steps with keyframes, or to apply it only to "
                         "some prompts. Combines with block weights and with other hooks.",
             inputs=[
-                _lycoris_input(),
-                _strength_input("strength_model", "diffusion model"),
-                _strength_input("strength_clip", "text encoder"),
+                lycoris_input(),
+                strength_input("strength_model", "diffusion model"),
+                strength_input("strength_clip", "text encoder"),
                 io.String.Input("block_weights", multiline=True, default="default=1", optional=True,
                                 tooltip=BLOCK_WEIGHTS_TOOLTIP),
                 Hooks.Input("prev_hooks", optional=True, tooltip="Hooks to combine with this one."),

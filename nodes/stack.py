@@ -12,7 +12,7 @@ from ..lycoris_core import LycorisError
 from ..lycoris_core.block_weights import parse
 from .apply import apply_file, is_off
 from .cache import load_cached
-from .loaders import CATEGORY, _mode_input, lycoris_path
+from .loaders import CATEGORY, clip_input, lycoris_path, mode_input, model_clip_outputs, model_input
 
 LoraStack = io.Custom("LORA_STACK")
 STACK_TOOLTIP = (
@@ -89,15 +89,12 @@ class LycorisApplyStack(io.ComfyNode):
             description="Applies a LORA_STACK to the model and clip, in stack order, exactly as chained LyCORIS "
                         "Loaders would.",
             inputs=[
-                io.Model.Input("model", tooltip="The diffusion model the stack is applied to."),
-                io.Clip.Input("clip", optional=True, tooltip="The text encoder the stack is applied to."),
+                model_input(),
+                clip_input(optional=True),
                 LoraStack.Input("lora_stack", tooltip="Rows of (file, strength_model, strength_clip)."),
-                _mode_input(),
+                mode_input(),
             ],
-            outputs=[
-                io.Model.Output(display_name="MODEL", tooltip="The patched diffusion model."),
-                io.Clip.Output(display_name="CLIP", tooltip="The patched text encoder."),
-            ],
+            outputs=model_clip_outputs(),
         )
 
     @classmethod

@@ -5,7 +5,18 @@ from comfy_api.latest import io
 from ..lycoris_core.block_weights import parse
 from .apply import apply_file, is_off, map_file
 from .cache import load_cached
-from .loaders import CATEGORY, _lycoris_input, _mode_input, _strength_input, _ui, _ui_off, lycoris_path
+from .loaders import (
+    CATEGORY,
+    clip_input,
+    lycoris_input,
+    lycoris_path,
+    mode_input,
+    model_clip_outputs,
+    model_input,
+    panel_off,
+    panel_ui,
+    strength_input,
+)
 from .presets import CUSTOM, block_weight_text, preset_names
 from .report import block_changes, payload, roots_of
 
@@ -40,19 +51,16 @@ class LycorisBlockWeights(io.ComfyNode):
                 "strengths, so it is exact for every algorithm."
             ),
             inputs=[
-                io.Model.Input("model", tooltip="The diffusion model the file is applied to."),
-                io.Clip.Input("clip", tooltip="The text encoder the file is applied to."),
-                _lycoris_input(),
-                _strength_input("strength_model", "diffusion model"),
-                _strength_input("strength_clip", "text encoder"),
+                model_input(),
+                clip_input(),
+                lycoris_input(),
+                strength_input("strength_model", "diffusion model"),
+                strength_input("strength_clip", "text encoder"),
                 block_weights_input(),
                 preset_input(),
-                _mode_input(),
+                mode_input(),
             ],
-            outputs=[
-                io.Model.Output(display_name="MODEL", tooltip="The patched diffusion model."),
-                io.Clip.Output(display_name="CLIP", tooltip="The patched text encoder."),
-            ],
+            outputs=model_clip_outputs(),
         )
 
     @classmethod
@@ -61,12 +69,12 @@ class LycorisBlockWeights(io.ComfyNode):
         weights = parse(block_weight_text(preset, block_weights))
         reference = strength_mode == "lycoris"
         if is_off(strength_model, reference) and is_off(strength_clip, reference):
-            return io.NodeOutput(model, clip, ui=_ui_off(lycoris_name, model, clip))
+            return io.NodeOutput(model, clip, ui=panel_off(lycoris_name, model, clip))
         path = lycoris_path(lycoris_name)
         new_model, new_clip, report = apply_file(load_cached(path), model, clip, strength_model, strength_clip,
                                                  reference, weights)
         return io.NodeOutput(new_model, new_clip,
-                             ui=_ui(path, report, model, clip, strength_model, strength_clip, weights))
+                             ui=panel_ui(path, report, model, clip, strength_model, strength_clip, weights))
 
 
 class LycorisBlockInfo(io.ComfyNode):
@@ -81,7 +89,7 @@ class LycorisBlockInfo(io.ComfyNode):
                         "block weights.",
             is_output_node=True,
             inputs=[
-                _lycoris_input(),
+                lycoris_input(),
                 io.Model.Input("model", tooltip="The diffusion model whose blocks are listed."),
                 io.Clip.Input("clip", optional=True, tooltip="The text encoder whose layers are listed too."),
                 io.Float.Input("strength", default=1.0, min=-100.0, max=100.0, step=0.01, optional=True,
