@@ -181,7 +181,9 @@ def test_schema(cls, node_id, names, outputs, loras):
 def test_extension_lists_every_node():
     extension = asyncio.run(lycoris_nodes.comfy_entrypoint())
     listed = asyncio.run(extension.get_node_list())
-    assert {c.define_schema().node_id for c in listed} == {"LycorisLoader", "LycorisLoaderModelOnly", "LycorisInfo"}
+    assert {c.define_schema().node_id for c in listed} == {
+        "LycorisLoader", "LycorisLoaderModelOnly", "LycorisInfo", "LycorisBlockWeights", "LycorisBlockInfo",
+        "LycorisStack", "LycorisApplyStack", "LycorisHook", "LycorisFade"}
 
 
 # --- applying ------------------------------------------------------------------------------------------------------
