@@ -6,6 +6,7 @@ right shapes, with the same detection and layout code that patching uses.
 """
 
 import json
+import math
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -32,11 +33,13 @@ TRAINING_KEYS = {
 
 # Base-model families from key names, first match wins: (family, regex over module prefixes).
 FAMILY_PATTERNS: tuple[tuple[str, str], ...] = (
+    # HunyuanVideo shares Flux's block names. Its dotted keys differ (`img_attn_qkv`, `img_mlp.fc1` where Flux has
+    # `img_attn.qkv`, `img_mlp.0`); in kohya's underscored form the two are the same and Flux is the likelier guess.
+    ("HunyuanVideo", r"txt_in[._]individual_token_refiner|double_blocks\.\d+\.(img_attn_qkv|img_mlp\.fc1)"),
     ("Flux", r"double_blocks[._]\d+[._](img|txt)_(attn|mlp|mod)|single_blocks[._]\d+[._]linear"),
     ("SD3", r"joint_blocks[._]\d+"),
     ("Wan", r"blocks[._]\d+[._](cross_attn|self_attn)[._]"),
     ("Qwen-Image", r"transformer_blocks[._]\d+[._](img_mlp|txt_mlp|img_mod)"),
-    ("HunyuanVideo", r"(double|single)_blocks[._]\d+[._](img_attn_qkv|linear1)"),
     ("SDXL", r"lora_te2_|text_encoder_2|input_blocks[._][78][._]1[._]transformer_blocks[._][1-9]"),
 )
 # SD1/SD2/SDXL share a UNet layout; the cross-attention context width tells them apart.
@@ -213,6 +216,9 @@ def summarize(path) -> FileSummary:
             built, leftover = build_modules(prefix, group, reader.name)
         except (LycorisError, ShapeError):
             unused += len(group)  # a damaged module: loading reports it in full
+            continue
+        if any(m.alpha is not None and not math.isfinite(m.alpha) for m in built):
+            unused += len(group)  # a NaN/Inf alpha is damage: loading refuses it, the summary leaves it out
             continue
         unused += len(leftover)
         modules += [_module_summary(f"{prefix}.{m.param}", m) for m in built]

@@ -20,6 +20,8 @@ log = logging.getLogger("lycoris_nodes")
 
 # Prefixes trainers use for text-encoder modules: explains a miss when no CLIP is connected.
 TEXT_ENCODER_PREFIXES = ("lora_te", "lora_prior_te", "text_encoder", "text_encoders.", "te_", "te1_", "te2_")
+NO_CLIP = "text-encoder module, but no CLIP is connected"
+NO_MODEL = "diffusion-model module, but no MODEL is connected"
 MAX_LISTED = 20
 
 
@@ -117,8 +119,11 @@ def find_target(module: Module, key_map: dict, shapes: dict[str, dict]) -> Targe
     """Where this module goes, or the reason it goes nowhere."""
     patch_key = key_map.get(module.prefix)
     if patch_key is None:
-        if module.prefix.startswith(TEXT_ENCODER_PREFIXES) and "clip" not in shapes:
-            return "text-encoder module, but no CLIP is connected"
+        is_text_encoder = module.prefix.startswith(TEXT_ENCODER_PREFIXES)
+        if is_text_encoder and "clip" not in shapes:
+            return NO_CLIP
+        if not is_text_encoder and "model" not in shapes:
+            return NO_MODEL
         return NO_SUCH_WEIGHT
     if module.param == "bias":
         patch_key = _bias_key(patch_key)
@@ -166,7 +171,7 @@ def family_verdict(lfile: LycorisFile, report: ApplyReport, model_family: str | 
     Modules missing only because no CLIP is connected are not a misfit, and a file of this model's own family gets
     no verdict whatever else went wrong (its problems are listed one by one instead).
     """
-    misfits = [key for key, reason in report.problems if "no CLIP is connected" not in reason]
+    misfits = [key for key, reason in report.problems if reason not in (NO_CLIP, NO_MODEL)]
     if len(misfits) < len(report.applied):
         return ""
     declared = declared_family(lfile.metadata)
