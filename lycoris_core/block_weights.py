@@ -11,10 +11,11 @@
   the same rules.
 """
 
+import math
 import re
 from dataclasses import dataclass
 
-from .blocks import MODEL_PREFIX, TEXT_ENCODER
+from .blocks import MODEL_PREFIX, TEXT_ENCODER, text_encoder_path
 from .errors import LycorisError
 
 _RANGE = re.compile(r"^(\d+)-(\d+)$")
@@ -57,10 +58,10 @@ class BlockWeights:
 
 
 def key_path(model_key: str) -> tuple[str, ...]:
-    """A weight key as the path rules match: `input_blocks.4.1.proj_in.weight`, `te.clip_l.transformer.…`."""
+    """A weight key as the path rules match: `input_blocks.4.1.proj_in.weight`, `te.clip_l.layers.5.mlp.fc1.weight`."""
     if model_key.startswith(MODEL_PREFIX):
         return tuple(model_key[len(MODEL_PREFIX):].split("."))
-    return (TEXT_ENCODER, *model_key.split("."))
+    return text_encoder_path(model_key)
 
 
 # LBW vectors: the block each position stands for, in ComfyUI's ldm key names. BASE is the text encoder.
@@ -82,9 +83,12 @@ LBW_LAYOUTS: dict[int, tuple[str, list[str]]] = {
 
 def _number(text: str, source: str) -> float:
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         raise LycorisError(f"'{text}' is not a number in block weights '{source}'") from None
+    if not math.isfinite(value):  # a NaN/Inf strength would poison every weight of the block
+        raise LycorisError(f"'{text}' is not a finite number in block weights '{source}'")
+    return value
 
 
 def _from_vector(values: list[str], source: str) -> list[Rule]:

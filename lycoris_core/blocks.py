@@ -17,12 +17,20 @@ TEXT_ENCODER = "te"
 def block_of(model_key: str) -> str:
     if model_key.startswith(MODEL_PREFIX):
         return _numbered_prefix(model_key[len(MODEL_PREFIX):].split("."))
-    parts = model_key.split(".")
-    encoder, rest = parts[0], parts[1:]
-    for i, part in enumerate(rest):
-        if part.isdigit():
-            return f"{TEXT_ENCODER}.{encoder}.{rest[i - 1]}.{part}" if i else f"{TEXT_ENCODER}.{encoder}.{part}"
-    return f"{TEXT_ENCODER}.{encoder}"
+    path = text_encoder_path(model_key)
+    numbered = next((i for i, part in enumerate(path) if part.isdigit()), None)
+    return ".".join(path[: numbered + 1] if numbered is not None else path[:2])
+
+
+def text_encoder_path(model_key: str) -> tuple[str, ...]:
+    """A text-encoder key as `te.<encoder>.<container>.<index>.<rest>`: the wrapper parts between the encoder and its
+    first numbered container (`transformer.text_model.encoder`) are dropped, so block names stay short and a rule
+    written with a block name matches the keys inside it."""
+    encoder, *rest = model_key.split(".")
+    numbered = next((i for i, part in enumerate(rest) if part.isdigit()), None)
+    if numbered:
+        rest = rest[numbered - 1:]
+    return (TEXT_ENCODER, encoder, *rest)
 
 
 def _numbered_prefix(parts: list[str]) -> str:

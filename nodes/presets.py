@@ -8,6 +8,7 @@ from pathlib import Path
 import folder_paths
 
 from ..lycoris_core import LycorisError
+from .apply import log
 
 SHIPPED = Path(__file__).resolve().parent.parent / "presets" / "block_weights.json"
 CUSTOM = "custom"
@@ -34,7 +35,13 @@ def presets() -> dict[str, str]:
 
 
 def preset_names() -> list[str]:
-    return [CUSTOM, *presets()]
+    """For the node's combo. A broken user file must not hide the node (ComfyUI asks for its inputs at start-up):
+    list the shipped presets and say what is wrong; choosing a preset then raises the error naming the file."""
+    try:
+        return [CUSTOM, *presets()]
+    except LycorisError as e:
+        log.error("LyCORIS block weight presets: %s; only the shipped presets are listed", e)
+        return [CUSTOM, *_read(SHIPPED)]
 
 
 def block_weight_text(preset: str, text: str) -> str:

@@ -29,7 +29,8 @@ BLOCK_WEIGHTS_TOOLTIP = (
 
 
 def block_weights_input() -> io.String.Input:
-    return io.String.Input("block_weights", multiline=True, default="default=1", tooltip=BLOCK_WEIGHTS_TOOLTIP)
+    # Empty by default: a 'default=1' here would come after a preset's own 'default=…' and silently override it.
+    return io.String.Input("block_weights", multiline=True, default="", tooltip=BLOCK_WEIGHTS_TOOLTIP)
 
 
 def preset_input() -> io.Combo.Input:

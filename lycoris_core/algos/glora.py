@@ -68,11 +68,9 @@ def layout(t: Tensors, alpha: float | None) -> Layout:
 
 def diff_weight(t: Tensors, lay: GLoRALayout, weight: torch.Tensor) -> torch.Tensor:
     a1, a2, b1, b2 = (_flat(t[k]) for k in (A1, A2, B1, B2))
-    if lay.old:
-        mix_in, low_rank = a2 @ a1, b2 @ b1
-    else:
-        mix_in, low_rank = a1 @ a2, b1 @ b2
-    acting_on_w = torch.einsum("oi...,ij->oj...", weight, mix_in)
+    # W ×_in (first @ second), applied factor by factor: never the in×in product (1 GB a module on Flux sizes).
+    first, second, low_rank = (a2, a1, b2 @ b1) if lay.old else (a1, a2, b1 @ b2)
+    acting_on_w = torch.einsum("or...,rj->oj...", torch.einsum("oi...,ir->or...", weight, first), second)
     return (acting_on_w + low_rank.reshape(weight.shape)) * lay.scale
 
 
