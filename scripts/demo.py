@@ -1,7 +1,8 @@
 """Demo: a real ComfyUI with this pack, running example_workflows/lycoris_loader.json on a tiny SD1.5.
 
 Run through ``make demo`` (which runs scripts/setup.sh first). It
-1. writes the tiny checkpoint and the demo LyCORIS file into the base directory (once; they are cached),
+1. writes the tiny checkpoint and the demo LyCORIS files (LoKr+DoRA, and the LoHa one the stack and schedule
+   examples use) into the base directory (once; they are cached),
 2. starts ComfyUI with comfy-cli (``comfy launch --background``) like a user would, or directly with
    ``python main.py`` if comfy-cli is missing or fails,
 3. converts the example workflow to the API format, queues it and waits for the image,
@@ -31,22 +32,25 @@ from comfy_server import ComfyClient, ComfyServer, ui_to_api
 
 CHECKPOINT = "tiny_sd15.safetensors"
 LYCORIS = "demo_lokr_dora.safetensors"
+LYCORIS_LOHA = "demo_loha_te.safetensors"
 WORKFLOW = REPO_ROOT / "example_workflows" / "lycoris_loader.json"
 BAD_LOG_LINES = ("lora key not loaded", "NOT LOADED")
 DEFAULT_PORT = 8188
 
 
 def ensure_assets(base_dir: Path) -> None:
-    """Tiny checkpoint + demo LyCORIS file in the base dir's model folders (skipped when up to date)."""
+    """Tiny checkpoint + demo LyCORIS files in the base dir's model folders (skipped when up to date)."""
     import make_demo_lycoris
     import make_tiny_sd15
 
     ckpt = base_dir / "models" / "checkpoints" / CHECKPOINT
     lycoris = base_dir / "models" / "loras" / LYCORIS
+    loha = base_dir / "models" / "loras" / LYCORIS_LOHA
     start = time.perf_counter()
     make_tiny_sd15.write_tiny_sd15(ckpt)
     make_demo_lycoris.write_demo_lycoris(lycoris, ckpt)
-    print(f"demo: models ready in {time.perf_counter() - start:.1f} s: {ckpt.name}, {lycoris.name}")
+    make_demo_lycoris.write_demo_loha(loha, ckpt)
+    print(f"demo: models ready in {time.perf_counter() - start:.1f} s: {ckpt.name}, {lycoris.name}, {loha.name}")
 
 
 class CliServer(ComfyClient):

@@ -1,14 +1,24 @@
-"""Write the demo LyCORIS file (LoKr + DoRA) with the reference lycoris-lora 4.1.3 over the tiny SD1.5 UNet.
+"""Write the demo LyCORIS files with the reference lycoris-lora 4.1.3 over the tiny SD1.5.
 
-The network is created on the UNetModel that ComfyUI itself loads from the tiny checkpoint, so the module
-names are ComfyUI's ldm names; with the ``lora_unet`` prefix they become ``lora_unet_<ldm key, . -> _>``,
-which ``comfy.lora.model_lora_keys_unet`` maps for every ``diffusion_model.X.weight``.
+- ``demo_lokr_dora.safetensors`` (``write_demo_lycoris``): LoKr + DoRA over the UNet.
+- ``demo_loha_te.safetensors`` (``write_demo_loha``): LoHa over the UNet and the CLIP-L text encoder, the second file
+  the stack, schedule and block-weight examples need.
+
+The networks are created on the UNetModel (and CLIP-L) that ComfyUI itself loads from the tiny checkpoint, so the
+module names are ComfyUI's ldm names; with the ``lora_unet`` prefix they become ``lora_unet_<ldm key, . -> _>``,
+which ``comfy.lora.model_lora_keys_unet`` maps for every ``diffusion_model.X.weight``, and with ``lora_te`` over
+CLIP-L's ``transformer`` they are kohya's ``lora_te_text_model_encoder_layers_<i>_<layer>``, which
+``comfy.lora.model_lora_keys_clip`` maps.
 
 Freshly created adapters are a no-op (one factor starts at zero), so every parameter is filled with seeded
 random values and the zero-started factor is then scaled so that each layer's delta is a fixed fraction of
 its weight: small, but it visibly changes the image.
 
-CLI: ``python scripts/make_demo_lycoris.py OUT.safetensors --checkpoint tiny_sd15.safetensors``
+Each file carries its own version (``DEMO_VERSION``, ``LOHA_VERSION``): bump only the one whose tensors change, so
+cached copies of the other stay valid and it keeps its tensors and metadata. (Byte for byte the files are not
+reproducible: safetensors writes the metadata entries in an order that changes from run to run.)
+
+CLI: ``python scripts/make_demo_lycoris.py OUT.safetensors --checkpoint tiny_sd15.safetensors [--kind loha]``
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import logging
 import sys
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +69,47 @@ METADATA = {
     "modelspec.trigger_phrase": "lycodemo",
 }
 
+# The second file (demo_loha_te.safetensors): LoHa over the same UNet modules and CLIP-L's attention and MLP Linears.
+LOHA_VERSION = "1"
+LOHA_SEED = 4343
+LOHA_KWARGS = {"linear_dim": 4, "linear_alpha": 2, "algo": "loha"}
+TE_PRESET = {
+    "enable_conv": False,
+    # comfy.clip_model class names; the network is created on CLIP-L's `transformer` (a CLIPTextModel).
+    "target_module": ["CLIPAttention", "CLIPMLP"],
+    "target_name": [],
+    "lora_prefix": "lora_te",
+}
+LOHA_METADATA = {
+    "ss_network_module": "lycoris.kohya",
+    "ss_network_dim": str(LOHA_KWARGS["linear_dim"]),
+    "ss_network_alpha": str(LOHA_KWARGS["linear_alpha"]),
+    "ss_network_args": json.dumps({"algo": "loha", "preset": "demo"}),
+    "ss_base_model_version": "sd_v1",
+    "modelspec.sai_model_spec": "1.0.0",
+    "modelspec.architecture": "stable-diffusion-v1/lora",
+    "modelspec.implementation": "https://github.com/KohakuBlueleaf/LyCORIS",
+    "modelspec.title": "LyCORIS Nodes demo (LoHa, UNet + text encoder, random)",
+    "modelspec.trigger_phrase": "lycoloha",
+}
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    """One demo file: the lycoris network(s) and the metadata it is saved with."""
+
+    version: str
+    seed: int
+    network_kwargs: dict
+    metadata: dict
+    # (part, preset) per network; part "unet" is the diffusion model, "te" CLIP-L's transformer.
+    networks: tuple[tuple[str, dict], ...]
+
+
+LOKR_DORA = DemoSpec(DEMO_VERSION, SEED, NETWORK_KWARGS, METADATA, (("unet", PRESET),))
+LOHA = DemoSpec(LOHA_VERSION, LOHA_SEED, LOHA_KWARGS, LOHA_METADATA, (("unet", PRESET), ("te", TE_PRESET)))
+KINDS = {"lokr_dora": LOKR_DORA, "loha": LOHA}
+
 _PRESET_ATTRS = (
     "ENABLE_CONV",
     "TARGET_REPLACE_MODULE",
@@ -70,47 +122,54 @@ _PRESET_ATTRS = (
 )
 
 
-def _version() -> str:
-    # The DoRA magnitudes are taken from the checkpoint's weights: a new checkpoint means a new file.
-    return f"{DEMO_VERSION}+tiny_sd15.{make_tiny_sd15.GENERATOR_VERSION}"
+def _version(spec: DemoSpec = LOKR_DORA) -> str:
+    # The DoRA magnitudes (and every delta's size) are taken from the checkpoint's weights: a new checkpoint means
+    # new files.
+    return f"{spec.version}+tiny_sd15.{make_tiny_sd15.GENERATOR_VERSION}"
+
+
+def _load_models(checkpoint: Path, with_clip: bool = False):
+    """ComfyUI's BaseModel for the checkpoint and, with_clip, its CLIP (else None); the VAE is not needed."""
+    setup_comfy()
+    import comfy.sd
+
+    patcher, clip = comfy.sd.load_checkpoint_guess_config(str(checkpoint), output_vae=False, output_clip=with_clip)[:2]
+    return patcher.model, clip
 
 
 def _load_unet_model(checkpoint: Path):
     """ComfyUI's BaseModel for the checkpoint (UNet only; CLIP and VAE are not needed)."""
-    setup_comfy()
-    import comfy.sd
-
-    patcher = comfy.sd.load_checkpoint_guess_config(str(checkpoint), output_vae=False, output_clip=False)[0]
-    return patcher.model
+    return _load_models(checkpoint)[0]
 
 
-def _create_network(unet):
+def _create_network(root, preset: dict = PRESET, network_kwargs: dict = NETWORK_KWARGS):
     """create_lycoris with our preset; the preset is class-global in lycoris, so restore it afterwards."""
     from lycoris import LycorisNetwork, create_lycoris
 
+    prefix = preset["lora_prefix"]
     saved = {name: getattr(LycorisNetwork, name) for name in _PRESET_ATTRS}
     try:
-        LycorisNetwork.apply_preset(PRESET)
+        LycorisNetwork.apply_preset(preset)
         # create_lycoris applies its default "full" preset too; in 4.1.3 that only sets enable_conv
         # (its unet_* keys are not read by apply_preset), so our targets and prefix survive. Checked below.
-        net = create_lycoris(unet, 1.0, **NETWORK_KWARGS)
+        net = create_lycoris(root, 1.0, **network_kwargs)
     finally:
         for name, value in saved.items():
             setattr(LycorisNetwork, name, value)
-    if not net.loras or any(not lora.lora_name.startswith("lora_unet_") for lora in net.loras):
-        raise RuntimeError("lycoris did not create lora_unet_* modules; did create_lycoris override the preset?")
+    if not net.loras or any(not lora.lora_name.startswith(f"{prefix}_") for lora in net.loras):
+        raise RuntimeError(f"lycoris did not create {prefix}_* modules; did create_lycoris override the preset?")
     net.apply_to()  # registers the modules on the network, so state_dict() sees them
     return net
 
 
-def _randomise(net) -> None:
+def _randomise(net, seed: int = SEED) -> None:
     import torch
 
     with torch.no_grad():
         for lora in net.loras:
             zero_started = []
             for name, param in lora.named_parameters():
-                gen = torch.Generator().manual_seed(SEED ^ zlib.crc32(f"{lora.lora_name}.{name}".encode()))
+                gen = torch.Generator().manual_seed(seed ^ zlib.crc32(f"{lora.lora_name}.{name}".encode()))
                 noise = torch.randn(param.shape, generator=gen)
                 if name == "dora_scale":
                     param.mul_(1 + DORA_SCALE_JITTER * noise)
@@ -130,6 +189,46 @@ def _randomise(net) -> None:
                 param.mul_(factor)
 
 
+def _networks(spec: DemoSpec, checkpoint: Path) -> list:
+    model, clip = _load_models(checkpoint, with_clip=any(part == "te" for part, _ in spec.networks))
+    roots = {"unet": model.diffusion_model, "te": clip.cond_stage_model.clip_l.transformer if clip else None}
+    nets = []
+    for part, preset in spec.networks:
+        net = _create_network(roots[part], preset, spec.network_kwargs)
+        _randomise(net, spec.seed)
+        nets.append(net)
+    return nets
+
+
+def _save(nets: list, path: Path, metadata: dict) -> None:
+    """As LycorisNetwork.save_weights (fp16 safetensors) but for the modules of several networks in one file."""
+    import torch
+    from safetensors.torch import save_file
+
+    if len(nets) == 1:  # the reference's own writer, as the first demo file has always been written
+        nets[0].save_weights(str(path), torch.float16, metadata)
+        return
+    state_dict = {}
+    for net in nets:
+        for key, value in net.state_dict().items():
+            if key in state_dict:
+                raise RuntimeError(f"two networks both write {key}")
+            state_dict[key] = value.detach().clone().to("cpu").to(torch.float16)
+    save_file(state_dict, str(path), metadata)
+
+
+def _write(spec: DemoSpec, path: str | Path, checkpoint: str | Path, force: bool) -> Path:
+    path = Path(path)
+    if not force and existing_version(path) == _version(spec):
+        return path
+    nets = _networks(spec, Path(checkpoint))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.safetensors")  # save_weights picks the format by extension
+    _save(nets, tmp, {**spec.metadata, VERSION_KEY: _version(spec)})
+    tmp.replace(path)
+    return path
+
+
 def existing_version(path: Path) -> str | None:
     if not path.is_file():
         return None
@@ -141,32 +240,30 @@ def existing_version(path: Path) -> str | None:
 
 def write_demo_lycoris(path: str | Path, checkpoint: str | Path, force: bool = False) -> Path:
     """Write the demo file to ``path`` (skipped if the same version exists); ``checkpoint`` is the tiny SD1.5."""
-    import torch
+    return _write(LOKR_DORA, path, checkpoint, force)
 
-    path = Path(path)
-    if not force and existing_version(path) == _version():
-        return path
-    net = _create_network(_load_unet_model(Path(checkpoint)).diffusion_model)
-    _randomise(net)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.safetensors")  # save_weights picks the format by extension
-    net.save_weights(str(tmp), torch.float16, {**METADATA, VERSION_KEY: _version()})
-    tmp.replace(path)
-    return path
+
+def write_demo_loha(path: str | Path, checkpoint: str | Path, force: bool = False) -> Path:
+    """Write the second demo file (LoHa, UNet + text encoder) to ``path``, skipped if the same version exists."""
+    return _write(LOHA, path, checkpoint, force)
 
 
 def verify(path: str | Path, checkpoint: str | Path) -> int:
     """Every key must map through ComfyUI's own key map and be consumed by comfy.lora.load_lora (core ComfyUI,
     not this pack), on the checkpoint ComfyUI detects as SD15. Returns the number of patched weights.
+    Text-encoder keys (``lora_te_*``) are mapped with the checkpoint's CLIP.
     """
-    model = _load_unet_model(Path(checkpoint))
-    if type(model.model_config).__name__ != "SD15":
-        raise RuntimeError(f"{checkpoint} detected as {type(model.model_config).__name__}, expected SD15")
     import comfy.lora
     import comfy.utils
 
     lora = comfy.utils.load_torch_file(str(path), safe_load=True)
+    with_clip = any(key.startswith("lora_te") for key in lora)
+    model, clip = _load_models(Path(checkpoint), with_clip=with_clip)
+    if type(model.model_config).__name__ != "SD15":
+        raise RuntimeError(f"{checkpoint} detected as {type(model.model_config).__name__}, expected SD15")
     key_map = comfy.lora.model_lora_keys_unet(model, {})
+    if with_clip:
+        key_map = comfy.lora.model_lora_keys_clip(clip.cond_stage_model, key_map)
     prefixes = {key.split(".", 1)[0] for key in lora}
     unmapped = sorted(p for p in prefixes if p not in key_map)
     if unmapped:
@@ -199,13 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--checkpoint", type=Path, required=True, help="tiny SD1.5 (written if missing)")
+    parser.add_argument("--kind", choices=sorted(KINDS), default="lokr_dora",
+                        help="lokr_dora: LoKr + DoRA over the UNet (default); loha: LoHa over the UNet and CLIP-L")
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--no-verify", action="store_true")
     opts = parser.parse_args(argv)
 
     make_tiny_sd15.write_tiny_sd15(opts.checkpoint)
     start = time.perf_counter()
-    write_demo_lycoris(opts.out, opts.checkpoint, force=opts.force)
+    _write(KINDS[opts.kind], opts.out, opts.checkpoint, force=opts.force)
     print(f"{opts.out}: {opts.out.stat().st_size / 1e6:.1f} MB, ready in {time.perf_counter() - start:.1f} s")
     if not opts.no_verify:
         print(f"ComfyUI maps and loads all of it: {verify(opts.out, opts.checkpoint)} patched weights")

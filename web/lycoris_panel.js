@@ -3,13 +3,23 @@
 // One DOM widget named "lycoris_panel" on each node type below. It is plain DOM (no canvas drawing), so the same
 // element shows in the classic LiteGraph canvas and in the Vue "Nodes 2.0" renderer. It is not serialized: workflow
 // JSON and widgets_values stay exactly as without the extension.
+//
+// On LyCORIS Loader (Block Weights) the panel also has a slider per block the file touches (known after a run of the
+// node, or of a LyCORIS Block Info node for the same file); a slider rewrites the node's `block_weights` text as named
+// rules (lycoris_block_rules.js), which is what is saved and sent: the sliders themselves are not.
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { blockWeight, formatWeight, parseBlockWeights, setBlockRule } from "./lycoris_block_rules.js";
 
-const NODE_TYPES = ["LycorisLoader", "LycorisLoaderModelOnly", "LycorisInfo"];
+const NODE_TYPES = ["LycorisLoader", "LycorisLoaderModelOnly", "LycorisInfo", "LycorisBlockWeights", "LycorisBlockInfo"];
+const BLOCK_EDITOR_TYPES = ["LycorisBlockWeights"];
 const PANEL_WIDGET = "lycoris_panel";
 const NAME_WIDGET = "lycoris_name";
+const BLOCK_WEIGHTS_WIDGET = "block_weights";
+const PRESET_WIDGET = "preset";
+const CUSTOM_PRESET = "custom";
+const SLIDER = { min: -1, max: 2, step: 0.05 };
 const MAX_PROBLEMS = 5;
 const COPIED_MS = 1500;
 const MARGIN = 8; // px around the panel inside the node (the DOM widget default is 10)
@@ -57,6 +67,18 @@ function entries(obj) {
     return obj && typeof obj === "object" ? Object.entries(obj) : [];
 }
 
+// Block names per file from the last report that listed them (any node type), so a Block Weights node can offer
+// sliders after a LyCORIS Block Info run for its file; and the live panels, to redraw those when one arrives.
+const knownBlocks = new Map();
+const livePanels = new Set();
+
+/** A pointer or key event on a control is the control's, not a drag or shortcut of the node/canvas. */
+function keepEvents(control) {
+    for (const type of ["pointerdown", "mousedown", "dblclick", "keydown"]) {
+        control.addEventListener(type, (e) => e.stopPropagation());
+    }
+}
+
 async function copyText(text) {
     try {
         await navigator.clipboard.writeText(text);
@@ -91,6 +113,12 @@ class LycorisPanel {
         this.reportName = null; // the file it was for
         this.requestId = 0;
         this.lastHeight = 0;
+        this.blockEditor = BLOCK_EDITOR_TYPES.includes(node.comfyClass);
+        // A node with a block_weights textarea: the panel keeps its natural height and the textarea gets the rest.
+        this.sharesSpace = !!node.widgets?.some((w) => w.name === BLOCK_WEIGHTS_WIDGET);
+        this.lastWant = 0;
+        this.sliders = new Map(); // block name -> {range, number}, while the editor is shown
+        livePanels.add(this);
 
         this.root = el("div", "lycoris-panel");
         this.content = el("div", "lycoris-content"); // natural height, measured for the node's size
@@ -125,6 +153,7 @@ class LycorisPanel {
     dispose() {
         this.observer?.disconnect();
         this.requestId++;
+        livePanels.delete(this);
     }
 
     nameWidget() {
@@ -181,6 +210,13 @@ class LycorisPanel {
         if (!report || typeof report !== "object") return;
         this.report = report;
         this.reportName = report.summary?.name ?? this.currentName();
+        const names = Array.isArray(report.blocks) ? report.blocks.map((b) => b?.name).filter(Boolean) : [];
+        if (names.length && this.reportName) {
+            knownBlocks.set(this.reportName, names);
+            for (const panel of livePanels) {
+                if (panel !== this && panel.blockEditor && panel.currentName() === this.reportName) panel.render();
+            }
+        }
         if (report.summary && typeof report.summary === "object") {
             this.info = report.summary;
             this.infoName = report.summary.name ?? this.currentName();
@@ -223,7 +259,126 @@ class LycorisPanel {
         } else if (info) {
             out.push(el("div", "lycoris-coverage lycoris-idle", "run the workflow to see what it changed"));
         }
+        this.sliders.clear();
+        if (this.blockEditor) out.push(this.blockSliders());
         return out;
+    }
+
+    // --- per-block sliders (LyCORIS Loader (Block Weights)) ---------------------------------------------------------
+
+    textWidget() {
+        return this.node.widgets?.find((w) => w.name === BLOCK_WEIGHTS_WIDGET);
+    }
+
+    /** The blocks the selected file touches: from this node's last run, else from any report for the same file. */
+    blockNames() {
+        const name = this.currentName();
+        const own = this.report && this.reportName === name && Array.isArray(this.report.blocks) ? this.report.blocks : [];
+        const names = own.map((b) => b?.name).filter(Boolean);
+        return names.length ? names : knownBlocks.get(name) ?? [];
+    }
+
+    blockSliders() {
+        const box = el("div", "lycoris-blocks");
+        box.appendChild(el("div", "lycoris-chart-title", "block weights (rewrites block_weights)"));
+        const widget = this.textWidget();
+        const names = this.blockNames();
+        if (!widget) {
+            box.appendChild(el("div", "lycoris-note", `no ${BLOCK_WEIGHTS_WIDGET} widget on this node`));
+            return box;
+        }
+        if (!names.length) {
+            const hint = "run the workflow (or LyCORIS Block Info for this file) to get a slider per block";
+            box.appendChild(el("div", "lycoris-note", hint));
+            return box;
+        }
+        const text = String(widget.value ?? "");
+        const parsed = parseBlockWeights(text);
+        if (parsed.error) box.appendChild(el("div", "lycoris-status lycoris-error", `block_weights: ${parsed.error}`));
+        const preset = this.node.widgets?.find((w) => w.name === PRESET_WIDGET)?.value;
+        if (preset && preset !== CUSTOM_PRESET) {
+            box.appendChild(el("div", "lycoris-note", `preset "${preset}" applies first; the sliders show these rules only`));
+        }
+        const list = el("div", "lycoris-sliders");
+        for (const name of names) list.appendChild(this.sliderRow(name, blockWeight(parsed, name)));
+        box.appendChild(list);
+        return box;
+    }
+
+    sliderRow(name, weight) {
+        const row = el("div", "lycoris-slider-row");
+        row.dataset.block = name;
+        const label = el("span", "lycoris-block-name", name);
+        label.title = name;
+        const range = el("input", "lycoris-slider");
+        Object.assign(range, { type: "range", min: SLIDER.min, max: SLIDER.max, step: SLIDER.step });
+        range.value = String(Math.min(SLIDER.max, Math.max(SLIDER.min, weight)));
+        range.title = `${name}: block weight`;
+        const number = el("input", "lycoris-slider-value");
+        Object.assign(number, { type: "number", step: SLIDER.step });
+        number.value = formatWeight(weight);
+        number.title = `${name}: block weight (any number)`;
+        keepEvents(range);
+        keepEvents(number);
+        // While dragging the text follows the slider; on release the edit becomes one undo step.
+        range.addEventListener("input", () => {
+            number.value = formatWeight(range.value);
+            this.setBlock(name, Number(range.value), false);
+        });
+        range.addEventListener("change", () => this.markChanged(true));
+        number.addEventListener("change", () => {
+            const value = Number(number.value);
+            if (number.value.trim() === "" || !isFinite(value)) {
+                number.value = formatWeight(blockWeight(String(this.textWidget()?.value ?? ""), name));
+                return;
+            }
+            range.value = String(Math.min(SLIDER.max, Math.max(SLIDER.min, value)));
+            this.setBlock(name, value, true);
+        });
+        row.append(label, range, number);
+        this.sliders.set(name, { range, number });
+        return row;
+    }
+
+    /** Rewrite block_weights with `name=value` in effect, as if typed: the value, callbacks, and a modified graph. */
+    setBlock(name, value, commit) {
+        const widget = this.textWidget();
+        if (!widget) return;
+        const old = String(widget.value ?? "");
+        const text = setBlockRule(old, name, value);
+        if (text === old) return;
+        widget.value = text;
+        // The multiline widget's textarea, where the frontend does not sync it from the value itself.
+        for (const area of [widget.inputEl, widget.element]) {
+            if (area && "value" in area && area.value !== text) area.value = text;
+        }
+        try {
+            widget.callback?.(text, app.canvas, this.node, undefined, undefined);
+            this.node.onWidgetChanged?.(widget.name, text, old, widget);
+        } catch (e) {
+            console.error("[lycoris_panel] block_weights callback:", e);
+        }
+        this.markChanged(commit);
+    }
+
+    /** The graph changed: redraw; with `commit`, also the workflow's "modified" mark and an undo step. */
+    markChanged(commit) {
+        const graph = this.node.graph ?? app.graph;
+        graph?.change?.();
+        this.node.setDirtyCanvas?.(true, true);
+        app.canvas?.setDirty?.(true, true);
+        if (commit) app.extensionManager?.workflow?.activeWorkflow?.changeTracker?.checkState?.();
+    }
+
+    /** After the text was edited by hand: move the sliders to what it now says (no full redraw while dragging). */
+    syncSliders() {
+        if (!this.sliders.size) return;
+        const parsed = parseBlockWeights(String(this.textWidget()?.value ?? ""));
+        for (const [name, { range, number }] of this.sliders) {
+            const weight = blockWeight(parsed, name);
+            if (document.activeElement !== number) number.value = formatWeight(weight);
+            if (document.activeElement !== range) range.value = String(Math.min(SLIDER.max, Math.max(SLIDER.min, weight)));
+        }
     }
 
     header(info) {
@@ -350,14 +505,19 @@ class LycorisPanel {
         return this.lastHeight;
     }
 
-    /** Grow the node (classic renderer) when the content no longer fits; never shrink what the user sized. */
+    /**
+     * Grow the node (classic renderer) when the content no longer fits; never shrink what the user sized. Next to a
+     * textarea, the room the node had beyond its minimum stays the textarea's when the panel grows.
+     */
     fitNode() {
         requestAnimationFrame(() => {
             const node = this.node;
             if (!node.graph || !node.computeSize) return;
             this.measure();
             const want = node.computeSize();
-            if (node.size[1] < want[1]) node.setSize([node.size[0], want[1]]);
+            const spare = this.sharesSpace && this.lastWant ? Math.max(0, node.size[1] - this.lastWant) : 0;
+            this.lastWant = want[1];
+            if (node.size[1] < want[1] + spare) node.setSize([node.size[0], want[1] + spare]);
             node.setDirtyCanvas?.(true, true);
         });
     }
@@ -374,6 +534,8 @@ function addPanel(node) {
         setValue: () => {},
         // The panel's natural height (a fallback before it is first laid out) plus the widget's margins.
         getMinHeight: () => Math.max(panel.measure(), 40) + 2 * MARGIN,
+        // Beside a textarea the panel takes no more than it needs, so extra node height goes to the text.
+        ...(panel.sharesSpace ? { getMaxHeight: () => Math.max(panel.measure(), 40) + 2 * MARGIN } : {}),
         margin: MARGIN,
     });
     widget.serialize = false; // not in widgets_values, not sent with the prompt
@@ -393,6 +555,29 @@ function addPanel(node) {
             panel.refresh();
             return result;
         };
+    }
+    if (panel.blockEditor) {
+        // Sliders follow the text when it is typed (the textarea's input event) or set (its callback, the preset).
+        const textWidget = panel.textWidget();
+        const area = textWidget?.inputEl ?? textWidget?.element;
+        area?.addEventListener?.("input", () => panel.syncSliders());
+        if (textWidget) {
+            const callback = textWidget.callback;
+            textWidget.callback = function (...args) {
+                const result = callback?.apply(this, args);
+                panel.syncSliders();
+                return result;
+            };
+        }
+        const presetWidget = node.widgets?.find((w) => w.name === PRESET_WIDGET);
+        if (presetWidget) {
+            const callback = presetWidget.callback;
+            presetWidget.callback = function (...args) {
+                const result = callback?.apply(this, args);
+                panel.render();
+                return result;
+            };
+        }
     }
     // After the graph's configure() has set the saved widget values (a no-op if loadedGraphNode did it).
     setTimeout(() => panel.refresh(), 0);

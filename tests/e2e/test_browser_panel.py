@@ -2,7 +2,10 @@
 
 tests/browser/panel.mjs drives the real frontend: it loads the example workflow, checks the panel's metadata, queues
 the workflow, and checks the coverage line, the per-block chart and the trigger-word chips; once with the classic
-LiteGraph canvas and once with the Vue "Nodes 2.0" renderer. Screenshots are kept in artifacts/.
+LiteGraph canvas and once with the Vue "Nodes 2.0" renderer. tests/browser/block_weights.mjs does the same for the
+per-block sliders of LyCORIS Loader (Block Weights) on example_workflows/lycoris_block_weights.json: run, move two
+sliders, check the block_weights text, run again. Screenshots are kept in artifacts/. The rule editing behind the
+sliders (web/lycoris_block_rules.js) is also tested under Node alone and against lycoris_core's parser.
 
 Chromium (Debian's, /usr/bin/chromium), Node.js and tests/browser/node_modules come from scripts/setup.sh; when one is
 missing this test fails and says so (it is never skipped).
@@ -25,14 +28,17 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 import make_demo_lycoris
 import make_tiny_sd15
-from comfy_server import ComfyServer
-from test_server_demo import ASSETS, CHECKPOINT, LYCORIS, make_base_dir
+from comfy_server import ComfyServer, ui_to_api
+from test_server_demo import ASSETS, CHECKPOINT, LYCORIS, LYCORIS_LOHA, make_base_dir
 
 pytestmark = pytest.mark.e2e
 
 BROWSER_DIR = REPO_ROOT / "tests" / "browser"
 SCRIPT = BROWSER_DIR / "panel.mjs"
+BLOCK_WEIGHTS_SCRIPT = BROWSER_DIR / "block_weights.mjs"
+RULES_TEST = BROWSER_DIR / "block_rules.test.mjs"
 CHROMIUM = Path("/usr/bin/chromium")
+EXAMPLES = REPO_ROOT / "example_workflows"
 ARTIFACTS = REPO_ROOT / "artifacts"
 RUN_TIMEOUT = 300  # s for one panel.mjs run (it takes about 20 s)
 
@@ -64,33 +70,106 @@ def panel_server(tmp_path_factory, browser_ready):
     """A server of its own: a fresh user folder (so the first-run templates dialog opens, as for a new user), and no
     output cache (--cache-none), so every queued run executes the loader and sends its report again."""
     ckpt = make_tiny_sd15.write_tiny_sd15(ASSETS / CHECKPOINT)  # cached in .deps/test-assets after the first run
-    assets = {"checkpoints": ckpt, "loras": make_demo_lycoris.write_demo_lycoris(ASSETS / LYCORIS, ckpt)}
+    loras = [make_demo_lycoris.write_demo_lycoris(ASSETS / LYCORIS, ckpt),
+             make_demo_lycoris.write_demo_loha(ASSETS / LYCORIS_LOHA, ckpt)]
+    assets = {"checkpoints": ckpt, "loras": loras}
     base = make_base_dir(tmp_path_factory.mktemp("comfy-browser"), assets)
     with ComfyServer(base, extra_args=["--cache-none"]) as srv:
         yield srv
 
 
-@pytest.mark.parametrize("renderer", ["classic", "vue"])
-def test_panel_in_browser(panel_server, renderer):
+def run_browser_script(script: Path, server, renderer: str, screenshot: Path, **env_extra: str) -> dict:
+    """Run one of the tests/browser scripts against the server; fail with its error, stderr and the server log."""
     ARTIFACTS.mkdir(exist_ok=True)
-    screenshot = ARTIFACTS / f"browser_panel_{renderer}.png"
-    env = {**os.environ, "COMFY_URL": panel_server.url, "SCREENSHOT": str(screenshot), "RENDERER": renderer}
+    env = {**os.environ, "COMFY_URL": server.url, "SCREENSHOT": str(screenshot), "RENDERER": renderer, **env_extra}
     start = time.monotonic()
     try:
         proc = subprocess.run(
-            ["node", str(SCRIPT)], cwd=BROWSER_DIR, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+            ["node", str(script)], cwd=BROWSER_DIR, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT,
             stdin=subprocess.DEVNULL, check=False,
         )
     except subprocess.TimeoutExpired as err:
-        pytest.fail(f"panel.mjs ({renderer}) did not finish in {RUN_TIMEOUT} s; stderr:\n{err.stderr}")
+        pytest.fail(f"{script.name} ({renderer}) did not finish in {RUN_TIMEOUT} s; stderr:\n{err.stderr}")
     seconds = time.monotonic() - start
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     result = json.loads(lines[-1]) if lines else {}
-    print(f"browser panel ({renderer}): {seconds:.1f} s; screenshots: {screenshot} and {result.get('node_screenshot')}")
-    print(json.dumps(result, indent=1, ensure_ascii=False))
+    print(f"{script.name} ({renderer}): {seconds:.1f} s; screenshots: {screenshot} and {result.get('node_screenshot')}")
+    print(json.dumps({k: v for k, v in result.items() if k != "prompts"}, indent=1, ensure_ascii=False))
     assert proc.returncode == 0, (
-        f"panel.mjs ({renderer}) exited {proc.returncode}: {result.get('error') or '(no result line)'}\n"
-        f"stderr:\n{proc.stderr[-4000:]}\nserver log tail:\n{panel_server.log_tail()}"
+        f"{script.name} ({renderer}) exited {proc.returncode}: {result.get('error') or '(no result line)'}\n"
+        f"stderr:\n{proc.stderr[-4000:]}\nserver log tail:\n{server.log_tail()}"
     )
     assert result.get("ok") is True
     assert screenshot.exists()
+    return result
+
+
+@pytest.mark.parametrize("renderer", ["classic", "vue"])
+def test_panel_in_browser(panel_server, renderer):
+    run_browser_script(SCRIPT, panel_server, renderer, ARTIFACTS / f"browser_panel_{renderer}.png")
+
+
+@pytest.mark.parametrize("renderer", ["classic", "vue"])
+def test_block_weight_sliders_in_browser(panel_server, renderer):
+    """The sliders; in the classic run also: the frontend makes of every example workflow the prompt ui_to_api makes
+    (the one test_example_workflows.py runs), so the saved JSON files say what a user would queue."""
+    extra = {"EXAMPLES_DIR": str(EXAMPLES)} if renderer == "classic" else {}
+    screenshot = ARTIFACTS / f"browser_block_weights_{renderer}.png"
+    result = run_browser_script(BLOCK_WEIGHTS_SCRIPT, panel_server, renderer, screenshot, **extra)
+    if renderer != "classic":
+        return
+    object_info = panel_server.object_info()
+
+    def declared(kind: str, inputs: dict) -> dict:
+        # Frontend-only widgets (Preview as Text's "preview") are sent too; the server ignores what it does not declare.
+        spec = object_info[kind]["input"]
+        return {k: v for k, v in inputs.items() if k in spec.get("required", {}) or k in spec.get("optional", {})}
+
+    assert sorted(result["prompts"]) == sorted(p.name for p in EXAMPLES.glob("*.json"))
+    for name, converted in result["prompts"].items():
+        assert converted["missing"] == [], f"{name}: node types the frontend does not know: {converted['missing']}"
+        ours = ui_to_api(json.loads((EXAMPLES / name).read_text()), object_info)
+        frontend = {k: (v["class_type"], declared(v["class_type"], v["inputs"])) for k, v in converted["output"].items()}
+        assert frontend == {k: (v["class_type"], v["inputs"]) for k, v in ours.items()}, name
+
+
+def node_or_fail() -> str:
+    node = shutil.which("node")
+    if node is None:
+        pytest.fail("node (Node.js 20+) is needed; run `bash scripts/setup.sh`", pytrace=False)
+    return node
+
+
+def test_block_rules_under_node():
+    """web/lycoris_block_rules.js (what the sliders write) under Node's own test runner."""
+    proc = subprocess.run([node_or_fail(), "--test", str(RULES_TEST)], cwd=BROWSER_DIR, capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+# Texts and block names the panel reads weights from; the text-encoder blocks are left out (see below).
+CROSS_TEXTS = [
+    "default=1\ninput_blocks.1=0.5\nmiddle_block=1.5\noutput_blocks.0-1=0.75\nte=0.8",
+    "default=0.2; input_blocks.4-8=0.5; output_blocks.*=0; output_blocks.3=2 # comment",
+    "1,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.1,1.2,1.3,1.4,1.5,1.6,1.7",
+    "1,0.5,1,0.5,1,0.5,1,0.5,1,0.5,1,0.5\nmiddle_block.1=-1",
+    "default=1\ninput_blocks.1=0.75\nmiddle_block=1.5\noutput_blocks.0-1=0.75\nte=0.8\nmiddle_block.1=-1",
+]
+CROSS_BLOCKS = [*(f"input_blocks.{i}" for i in range(12)), "middle_block.0", "middle_block.1", "middle_block.2",
+                *(f"output_blocks.{i}" for i in range(12)), "time_embed", "out"]
+
+
+def test_block_rules_read_like_the_python_parser(tmp_path):
+    """The slider values the panel shows are the weights lycoris_core gives the blocks' weights."""
+    from lycoris_nodes.lycoris_core.block_weights import parse
+
+    pairs = [(text, block) for text in CROSS_TEXTS for block in CROSS_BLOCKS]
+    (tmp_path / "pairs.json").write_text(json.dumps(pairs))
+    proc = subprocess.run([node_or_fail(), str(RULES_TEST)], cwd=BROWSER_DIR, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "CROSS_CHECK": str(tmp_path / "pairs.json")},
+                          stdin=subprocess.DEVNULL, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    js = json.loads(proc.stdout.strip().splitlines()[-1])
+    python = [parse(text).weight_for(f"diffusion_model.{block}.0.weight") for text, block in pairs]
+    differ = [(pairs[i], js[i], python[i]) for i in range(len(pairs)) if js[i] != pytest.approx(python[i])]
+    assert not differ, differ[:10]

@@ -1,11 +1,11 @@
 """End to end: the example workflow on a real ComfyUI server (CPU) with this pack, a tiny SD1.5 and a LyCORIS file
-made by the reference implementation. One server is shared by the whole session."""
+made by the reference implementation. One server is shared by the whole session: the `assets`, `server` and `prompt`
+fixtures are in conftest.py (shared with test_info_route.py)."""
 
 from __future__ import annotations
 
 import copy
 import io
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 import make_demo_lycoris
-import make_tiny_sd15
-from comfy_server import ComfyServer, prepare_base_dir, ui_to_api
+from comfy_server import ComfyServer, prepare_base_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -28,33 +27,18 @@ ASSETS = REPO_ROOT / ".deps" / "test-assets"
 WORKFLOW = REPO_ROOT / "example_workflows" / "lycoris_loader.json"
 CHECKPOINT = "tiny_sd15.safetensors"
 LYCORIS = "demo_lokr_dora.safetensors"
+# The second demo file (LoHa over the UNet and the text encoder), for the stack and schedule examples.
+LYCORIS_LOHA = "demo_loha_te.safetensors"
 BAD_LOG_LINES = ("lora key not loaded", "NOT LOADED")
 
 
-@pytest.fixture(scope="session")
-def assets() -> dict[str, Path]:
-    ckpt = make_tiny_sd15.write_tiny_sd15(ASSETS / CHECKPOINT)
-    lycoris = make_demo_lycoris.write_demo_lycoris(ASSETS / LYCORIS, ckpt)
-    return {"checkpoints": ckpt, "loras": lycoris}
-
-
-def make_base_dir(base: Path, assets: dict[str, Path]) -> Path:
-    """A ComfyUI base dir whose model folders link to the cached assets."""
+def make_base_dir(base: Path, assets: dict[str, Path | list[Path]]) -> Path:
+    """A ComfyUI base dir whose model folders link to the cached assets (one path or a list per folder)."""
     prepare_base_dir(base)
-    for folder, path in assets.items():
-        (base / "models" / folder / path.name).symlink_to(path)
+    for folder, paths in assets.items():
+        for path in paths if isinstance(paths, (list, tuple)) else [paths]:
+            (base / "models" / folder / path.name).symlink_to(path)
     return base
-
-
-@pytest.fixture(scope="session")
-def server(tmp_path_factory, assets):
-    with ComfyServer(make_base_dir(tmp_path_factory.mktemp("comfy-base"), assets)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="session")
-def prompt(server) -> dict:
-    return ui_to_api(json.loads(WORKFLOW.read_text()), server.object_info())
 
 
 def loader_id(prompt: dict) -> str:
@@ -102,6 +86,11 @@ def test_demo_file_loads_in_core_comfyui(assets):
     assert make_demo_lycoris.verify(assets["loras"], assets["checkpoints"]) == 65
 
 
+def test_second_demo_file_loads_in_core_comfyui(loha_file, assets):
+    """The LoHa file (UNet + text encoder) too: core ComfyUI maps and consumes every key, text encoder included."""
+    assert make_demo_lycoris.verify(loha_file, assets["checkpoints"]) == 65 + 72
+
+
 def test_object_info_lists_the_nodes(server):
     info = server.object_info()
     for node_id in ("LycorisLoader", "LycorisLoaderModelOnly"):
@@ -145,9 +134,9 @@ def test_server_log_has_no_unloaded_keys(server, images):
     assert not bad, "\n".join(bad[:20])
 
 
-def test_demo_once(tmp_path, assets):
+def test_demo_once(tmp_path, model_files):
     """`make demo ONCE=1` in a temp base dir: comfy-cli (or the fallback) starts ComfyUI, the workflow runs."""
-    base = make_base_dir(tmp_path / "base", assets)
+    base = make_base_dir(tmp_path / "base", model_files)
     cmd = [
         sys.executable,
         str(REPO_ROOT / "scripts" / "demo.py"),

@@ -1,0 +1,50 @@
+"""Fixtures shared by the e2e modules: the cached demo assets and ONE ComfyUI server (with this pack) for the session.
+
+The constants and make_base_dir stay in test_server_demo.py, where test_browser_panel.py imports them from.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+import make_demo_lycoris
+import make_tiny_sd15
+from comfy_server import ComfyServer, ui_to_api
+from test_server_demo import ASSETS, CHECKPOINT, LYCORIS, LYCORIS_LOHA, WORKFLOW, make_base_dir
+
+
+@pytest.fixture(scope="session")
+def assets() -> dict[str, Path]:
+    ckpt = make_tiny_sd15.write_tiny_sd15(ASSETS / CHECKPOINT)
+    lycoris = make_demo_lycoris.write_demo_lycoris(ASSETS / LYCORIS, ckpt)
+    return {"checkpoints": ckpt, "loras": lycoris}
+
+
+@pytest.fixture(scope="session")
+def loha_file(assets) -> Path:
+    """The second demo file (LoHa, UNet + text encoder), cached next to the others."""
+    return make_demo_lycoris.write_demo_loha(ASSETS / LYCORIS_LOHA, assets["checkpoints"])
+
+
+@pytest.fixture(scope="session")
+def model_files(assets, loha_file) -> dict[str, list[Path]]:
+    """What a server's base dir links: the checkpoint and every demo LyCORIS file (for make_base_dir)."""
+    return {"checkpoints": [assets["checkpoints"]], "loras": [assets["loras"], loha_file]}
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, model_files):
+    with ComfyServer(make_base_dir(tmp_path_factory.mktemp("comfy-base"), model_files)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def prompt(server) -> dict:
+    return ui_to_api(json.loads(WORKFLOW.read_text()), server.object_info())

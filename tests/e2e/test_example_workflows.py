@@ -1,0 +1,215 @@
+"""End to end: EVERY workflow in example_workflows/ on the session's ComfyUI server (conftest.py), converted with
+ui_to_api exactly as saved. Each must pass the server's validation, run and save an image; the block-weight, stack,
+schedule and info examples are also checked against equivalent graphs, pixel for pixel (SaveImage embeds the prompt,
+so files are never compared)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+from comfy_server import ui_to_api
+from test_server_demo import BAD_LOG_LINES, run
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLES = REPO_ROOT / "example_workflows"
+WORKFLOWS = sorted(p.name for p in EXAMPLES.glob("*.json"))
+EXPECTED = {  # the examples this file checks in detail; any other json is still run by test_example_runs
+    "lycoris_loader.json",
+    "lycoris_block_weights.json",
+    "lycoris_stack.json",
+    "lycoris_schedule.json",
+    "lycoris_info.json",
+}
+
+
+@dataclass
+class Ran:
+    prompt: dict
+    entry: dict
+    png: bytes
+    pixels: np.ndarray
+
+
+@pytest.fixture(scope="module")
+def object_info(server) -> dict:
+    return server.object_info()
+
+
+@pytest.fixture(scope="module")
+def example(server, object_info):
+    """example(name) -> Ran: the workflow as saved, run once per module."""
+    done: dict[str, Ran] = {}
+
+    def get(name: str) -> Ran:
+        if name not in done:
+            prompt = ui_to_api(json.loads((EXAMPLES / name).read_text()), object_info)
+            entry = server.wait(server.queue(prompt), timeout=180)
+            png = server.image_bytes(entry)
+            done[name] = Ran(prompt, entry, png, np.asarray(Image.open(io.BytesIO(png)).convert("RGB")))
+        return done[name]
+
+    return get
+
+
+def pixels(server, prompt: dict) -> np.ndarray:
+    return run(server, prompt)[1]
+
+
+def only(prompt: dict, class_type: str) -> str:
+    (node_id,) = [k for k, v in prompt.items() if v["class_type"] == class_type]
+    return node_id
+
+
+def changed(prompt: dict, class_type: str, **inputs) -> dict:
+    out = copy.deepcopy(prompt)
+    out[only(prompt, class_type)]["inputs"].update(inputs)
+    return out
+
+
+def rewire(prompt: dict, old: str, new: str) -> None:
+    """Every input fed by node `old` is fed by node `new` (same output slot) instead."""
+    for node in prompt.values():
+        for name, value in node["inputs"].items():
+            if isinstance(value, list) and value[0] == old:
+                node["inputs"][name] = [new, value[1]]
+
+
+def test_all_examples_are_here():
+    assert EXPECTED <= set(WORKFLOWS), sorted(EXPECTED - set(WORKFLOWS))
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_example_is_a_consistent_ui_graph(name):
+    """Links agree with both ends' slots and types; ids are below last_node_id/last_link_id (no server needed)."""
+    workflow = json.loads((EXAMPLES / name).read_text())
+    assert workflow["version"] == 0.4
+    nodes = {n["id"]: n for n in workflow["nodes"]}
+    assert workflow["last_node_id"] == max(nodes)
+    assert workflow["last_link_id"] == max(link[0] for link in workflow["links"])
+    for link_id, origin, origin_slot, target, target_slot, kind in workflow["links"]:
+        out, inp = nodes[origin]["outputs"][origin_slot], nodes[target]["inputs"][target_slot]
+        assert link_id in out["links"] and inp["link"] == link_id, link_id
+        assert out["type"] == kind and inp["type"] in (kind, "*"), link_id
+    linked = {link[0] for link in workflow["links"]}
+    for node in nodes.values():
+        for inp in node.get("inputs", []):
+            assert inp.get("link") is None or inp["link"] in linked, (node["id"], inp)
+        if node["type"] in ("LycorisLoader", "LycorisBlockWeights", "LycorisBlockInfo", "LycorisInfo", "LycorisHook"):
+            assert node["widgets_values"][0] in ("demo_lokr_dora.safetensors", "demo_loha_te.safetensors")
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_example_runs(example, name):
+    ran = example(name)
+    assert ran.png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert ran.pixels.shape == (64, 64, 3)
+    assert ran.pixels.std() > 0, f"{name} made a flat image"
+
+
+def test_block_weights_example(server, example):
+    ran = example("lycoris_block_weights.json")
+    prompt = ran.prompt
+    weighted = only(prompt, "LycorisBlockWeights")
+    assert "default=1" in prompt[weighted]["inputs"]["block_weights"]
+    # The plain loader at the same strengths: the same node without block_weights and preset.
+    plain = copy.deepcopy(prompt)
+    plain[weighted] = {
+        "class_type": "LycorisLoader",
+        "inputs": {k: v for k, v in prompt[weighted]["inputs"].items() if k not in ("block_weights", "preset")},
+    }
+    plain_pixels = pixels(server, plain)
+    assert not np.array_equal(ran.pixels, plain_pixels), "the block weights changed nothing"
+    uniform = pixels(server, changed(prompt, "LycorisBlockWeights", block_weights="default=1", preset="custom"))
+    assert np.array_equal(uniform, plain_pixels), "block weights 'default=1' are not exactly the plain loader"
+
+    # LyCORIS Block Info listed the blocks (its panel payload, and its text shown by Preview as Text).
+    info = only(prompt, "LycorisBlockInfo")
+    (payload,) = ran.entry["outputs"][info]["lycoris"]
+    names = [b["name"] for b in payload["blocks"]]
+    assert names[0] == "input_blocks.1" and "middle_block.1" in names and "output_blocks.1" in names, names
+    (shown,) = [out["text"][0] for out in ran.entry["outputs"].values() if "text" in out]
+    assert shown.splitlines()[0].startswith("input_blocks.1: 15 modules, change ")
+
+
+def parse_stack(text: str) -> list[list[str]]:
+    """The stack's active rows as [name, strength_model, strength_clip, block weights] (as LycorisStack reads them)."""
+    rows = []
+    for line in (raw.strip() for raw in text.splitlines()):
+        if not line or line.startswith("#"):
+            continue
+        name, *rest = (part.strip() for part in line.split("|"))
+        model = rest[0] if rest and rest[0] else "1"
+        clip = rest[1] if len(rest) > 1 and rest[1] else model
+        rows.append([name, model, clip, rest[2] if len(rest) > 2 else ""])
+    return rows
+
+
+def test_stack_example_equals_chained_loaders(server, example):
+    ran = example("lycoris_stack.json")
+    prompt = ran.prompt
+    stack_id, apply_id = only(prompt, "LycorisStack"), only(prompt, "LycorisApplyStack")
+    rows = parse_stack(prompt[stack_id]["inputs"]["stack"])
+    assert len(rows) == 2 and rows[0][3] == "" and rows[1][3], rows  # one plain row, one with block weights
+
+    chained = {k: v for k, v in copy.deepcopy(prompt).items() if k not in (stack_id, apply_id)}
+    model, clip = prompt[apply_id]["inputs"]["model"], prompt[apply_id]["inputs"]["clip"]
+    mode = prompt[apply_id]["inputs"].get("strength_mode", "linear")
+    for i, (name, strength_model, strength_clip, block_weights) in enumerate(rows):
+        inputs = {"model": model, "clip": clip, "lycoris_name": name, "strength_model": float(strength_model),
+                  "strength_clip": float(strength_clip), "strength_mode": mode}
+        if block_weights:
+            node = {"class_type": "LycorisBlockWeights", "inputs": {**inputs, "block_weights": block_weights}}
+        else:
+            node = {"class_type": "LycorisLoader", "inputs": inputs}
+        chained[f"chain{i}"] = node
+        model, clip = [f"chain{i}", 0], [f"chain{i}", 1]
+    rewire(chained, apply_id, f"chain{len(rows) - 1}")
+    assert np.array_equal(ran.pixels, pixels(server, chained)), "the stack is not the chained loaders"
+
+    (lines,) = [out["text"] for key, out in ran.entry["outputs"].items() if key == apply_id]
+    assert len(lines) == 2 and "137/137 modules applied" in lines[1], lines
+
+
+def test_schedule_example_fades(server, example):
+    ran = example("lycoris_schedule.json")
+    prompt = ran.prompt
+    fade = prompt[only(prompt, "LycorisFade")]["inputs"]
+    assert fade["strength_start"] != fade["strength_end"]
+    assert prompt[only(prompt, "KSampler")]["inputs"]["steps"] >= 3
+    assert prompt[only(prompt, "SetClipHooks")]["inputs"]["hooks"] == [only(prompt, "LycorisFade"), 0]
+    constant = {s: pixels(server, changed(prompt, "LycorisFade", strength_start=s, strength_end=s)) for s in (0.0, 1.0)}
+    assert not np.array_equal(constant[0.0], constant[1.0]), "the hook changes nothing at strength 1"
+    assert not np.array_equal(ran.pixels, constant[0.0]), "the fade is the same as strength 0 throughout"
+    assert not np.array_equal(ran.pixels, constant[1.0]), "the fade is the same as strength 1 throughout"
+
+
+def test_info_example_feeds_the_trigger_words_into_the_prompt(example):
+    ran = example("lycoris_info.json")
+    info = only(ran.prompt, "LycorisInfo")
+    (payload,) = ran.entry["outputs"][info]["lycoris"]
+    assert payload["summary"]["trigger_words"] == ["lycodemo"] and payload["applied"] == 65
+    texts = [out["text"][0] for out in ran.entry["outputs"].values() if "text" in out]
+    assert any(t.startswith("LyCORIS Nodes demo (LoKr + DoRA, random)") for t in texts), texts
+    assert any(json.loads(t).get("applied") == 65 for t in texts if t.startswith("{")), texts
+    # "lycodemo" + ", " + the rest is the loader example's prompt, with the same file, seed and sampler settings.
+    assert np.array_equal(ran.pixels, example("lycoris_loader.json").pixels)
+
+
+def test_no_unloaded_keys_in_the_server_log(server, example):
+    for name in WORKFLOWS:
+        example(name)  # already run above, unless this test runs alone
+    bad = [line for line in server.log_text().splitlines() if any(b in line for b in BAD_LOG_LINES)]
+    assert not bad, "\n".join(bad[:20])
