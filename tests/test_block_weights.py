@@ -39,7 +39,7 @@ from lycoris_nodes.nodes import loaders, presets
 from lycoris_nodes.nodes.loaders import LycorisLoader
 from lycoris_nodes.nodes.weighting import LycorisBlockInfo, LycorisBlockWeights
 from patcher_util import assert_rounded_from
-from reference.lycoris_factory import _class_presets_restored, _randomise
+from reference.lycoris_factory import Lazy, _class_presets_restored, _randomise
 from safetensors.torch import load_file, save_file
 from test_nodes import TE_Q, TO_Q, lora, weights_after_full_load, write
 
@@ -595,23 +595,12 @@ def make_reference(algo_id: str, model, clip, directory, seed: int = 0) -> Refer
     return ReferenceFile(algo_id, str(path), net, layers, w0)
 
 
-class _Lazy(dict):
-    def __init__(self, make):
-        super().__init__()
-        self._make = make
-
-    def __missing__(self, key):
-        self[key] = value = self._make(key)
-        return value
-
-    def __repr__(self):
-        return f"<{', '.join(map(str, self))}>"
 
 
 @pytest.fixture(scope="module")
 def reference(sd15, tmp_path_factory):
     directory = tmp_path_factory.mktemp("block_weight_reference")
-    return _Lazy(lambda algo_id: make_reference(algo_id, *sd15, directory))
+    return Lazy(lambda algo_id: make_reference(algo_id, *sd15, directory))
 
 
 @pytest.fixture(scope="module")

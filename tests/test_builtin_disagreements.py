@@ -22,7 +22,7 @@ import pytest
 import torch
 from lycoris_nodes.lycoris_core import load
 from patcher_util import CPU, FACTORY_KEY_MAP, factory_model, full_load, lycoris_patches, patcher
-from reference.lycoris_factory import BY_ID, base_params, functional_forward, generate, probe
+from reference.lycoris_factory import BY_ID, Lazy, base_params, functional_forward, generate, probe
 
 OURS = 1e-4
 F32 = torch.float32
@@ -34,20 +34,12 @@ VARIANTS = {v.id: v for v in (OFT_BOTH, BY_ID["boft"], BY_ID["boft_constraint"],
                               BY_ID["ia3"], BY_ID["lokr_full_matrix"], BY_ID["lokr_tucker"])}
 
 
-class _Lazy(dict):
-    def __init__(self, make):
-        super().__init__()
-        self._make = make
-
-    def __missing__(self, key):
-        self[key] = value = self._make(key)
-        return value
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     directory = tmp_path_factory.mktemp("builtin_disagreements")
-    return _Lazy(lambda variant_id: generate(VARIANTS[variant_id], directory))
+    return Lazy(lambda variant_id: generate(VARIANTS[variant_id], directory))
 
 
 @pytest.fixture(scope="module")

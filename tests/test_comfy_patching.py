@@ -50,6 +50,7 @@ from reference.lycoris_factory import (
     LAYERS,
     STRENGTHS,
     VARIANTS,
+    Lazy,
     base_params,
     functional_forward,
     generate,
@@ -74,25 +75,17 @@ REFERENCE_STRENGTHS = (0.5, 0.0)
 TABLE = list(SUBSET) if os.environ.get("LYCORIS_TABLE") == "subset" else [v.id for v in VARIANTS]
 
 
-class _Lazy(dict):
-    def __init__(self, make):
-        super().__init__()
-        self._make = make
-
-    def __missing__(self, key):
-        self[key] = value = self._make(key)
-        return value
 
 
 @pytest.fixture(scope="module")
 def reference_files(tmp_path_factory):
     directory = tmp_path_factory.mktemp("comfy_patching_reference")
-    return _Lazy(lambda variant_id: generate(BY_ID[variant_id], directory))
+    return Lazy(lambda variant_id: generate(BY_ID[variant_id], directory))
 
 
 @pytest.fixture(scope="module")
 def bases():
-    return _Lazy(base_params)
+    return Lazy(base_params)
 
 
 def _rounding(dtype: torch.dtype, stochastic: bool) -> tuple[float, float]:

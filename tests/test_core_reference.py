@@ -29,6 +29,7 @@ from reference.lycoris_factory import (
     LAYER,
     STRENGTHS,
     VARIANTS,
+    Lazy,
     base_params,
     functional_forward,
     generate,
@@ -73,35 +74,22 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-class _Lazy(dict):
-    """Made on first use, once per session, so a `-k` selection only generates what it needs."""
-
-    def __init__(self, make):
-        super().__init__()
-        self._make = make
-
-    def __missing__(self, key):
-        self[key] = value = self._make(key)
-        return value
-
-    def __repr__(self):  # pytest prints fixture values in tracebacks; the tensors would take seconds
-        return f"<{len(self)} made: {', '.join(map(str, self))}>"
 
 
 @pytest.fixture(scope="session")
 def reference_files(tmp_path_factory):
     directory = tmp_path_factory.mktemp("lycoris_reference")
-    return _Lazy(lambda variant_id: generate(BY_ID[variant_id], directory))
+    return Lazy(lambda variant_id: generate(BY_ID[variant_id], directory))
 
 
 @pytest.fixture(scope="session")
 def loaded(reference_files):
-    return _Lazy(lambda variant_id: lycoris_core.load(reference_files[variant_id].path))
+    return Lazy(lambda variant_id: lycoris_core.load(reference_files[variant_id].path))
 
 
 @pytest.fixture(scope="session")
 def bases():
-    return _Lazy(base_params)
+    return Lazy(base_params)
 
 
 def modules_by_layer(lycoris_file: lycoris_core.LycorisFile) -> dict[str, list]:

@@ -15,15 +15,13 @@
 // ("<name>-node.png"), prints one JSON line; exit 0 = all checks passed, 1 = a check failed, 2 = bad usage.
 // The server must not have the node's output cached (a fresh server, or --cache-none).
 
-import { chromium } from "playwright-core";
-import { mkdtempSync, readdirSync, readFileSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
-import { dirname, join, resolve } from "node:path";
-import { fileURLToPath } from "node:url";
+import { readdirSync, readFileSync } from "node:fs";
+import { join } from "node:path";
+
+import { REPO, check, loadWorkflow, mark, queueAndWait, runBrowserScript, setRenderer, waitFor, warnings } from "./common.mjs";
 
 const NODE_TYPE = "LycorisBlockWeights";
 const TEXT_WIDGET = "block_weights";
-const EXTENSION_NAME = "lycoris_nodes.panel";
 // The example's block_weights and what its rules give each block of the demo file.
 const EXPECT_VALUES = {
     "input_blocks.1": "0.5",
@@ -36,70 +34,10 @@ const EXPECT_VALUES = {
 const KEYBOARD_BLOCK = "input_blocks.1"; // has its own rule: replaced in place
 const KEYBOARD_STEPS = 5; // ArrowRight x5 at step 0.05: 0.5 -> 0.75
 const DRAG_BLOCK = "middle_block.1"; // only "middle_block=1.5" matches it: a rule is added
-const CLOSE_UP_SCALE = 1.1;
+const CLOSE_UP = { scale: 1.1, top: 130 }; // canvas zoom and place for the node close-up screenshot
 
-const HERE = dirname(fileURLToPath(import.meta.url));
-const REPO = resolve(HERE, "..", "..");
-const COMFY_URL = process.env.COMFY_URL;
-const SCREENSHOT = process.env.SCREENSHOT;
-const RENDERER = process.env.RENDERER || "classic";
 const WORKFLOW = process.env.WORKFLOW || join(REPO, "example_workflows", "lycoris_block_weights.json");
-const CHROMIUM = process.env.CHROMIUM || "/usr/bin/chromium";
-const RUN_TIMEOUT = Number(process.env.TIMEOUT_MS || 180000);
 const EXAMPLES_DIR = process.env.EXAMPLES_DIR;
-const CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-];
-
-const t0 = Date.now();
-const timings = {};
-const warnings = [];
-const mark = (name) => (timings[name] = (Date.now() - t0) / 1000);
-
-class CheckError extends Error {}
-function check(cond, message) {
-    if (!cond) throw new CheckError(message);
-}
-
-/** Poll fn (in the page) until it returns a truthy value that is not {ok: false}. */
-async function waitFor(page, what, fn, arg, timeout = 30000) {
-    const deadline = Date.now() + timeout;
-    let last;
-    while (Date.now() < deadline) {
-        last = await page.evaluate(fn, arg);
-        if (last && (typeof last !== "object" || last.ok !== false)) return last;
-        await page.waitForTimeout(100);
-    }
-    throw new CheckError(`timed out after ${timeout / 1000} s waiting for ${what}; last: ${JSON.stringify(last)}`);
-}
-
-async function closeTemplatesDialog(page, expected) {
-    // As in panel.mjs: the first-run templates dialog; Escape, else its close button.
-    const dialog = page.locator(".p-dialog");
-    try {
-        await dialog.first().waitFor({ state: "visible", timeout: expected ? 20000 : 1000 });
-    } catch {
-        if (expected) warnings.push("the first-run templates dialog did not open");
-        return false;
-    }
-    await page.keyboard.press("Escape");
-    try {
-        await dialog.first().waitFor({ state: "hidden", timeout: 1000 });
-        return "escape";
-    } catch {
-        // still open
-    }
-    await page.locator('.p-dialog button:has(i.pi-times), .p-dialog button[aria-label="Close"]').first().click({ timeout: 5000 });
-    await dialog.first().waitFor({ state: "hidden", timeout: 5000 });
-    return "close button";
-}
 
 /** The Block Weights node's widget, textarea, panel and sliders, read in the page. */
 function editorState(nodeType) {
@@ -139,275 +77,146 @@ function editorState(nodeType) {
     };
 }
 
-async function queueAndWait(page) {
-    const run = await page.evaluate(async (timeout) => {
-        const { app } = window.comfyAPI.app;
-        const { api } = window.comfyAPI.api;
-        const done = new Promise((resolve) => {
-            const timer = setTimeout(() => resolve({ status: "timeout" }), timeout);
-            api.addEventListener("execution_success", () => {
-                clearTimeout(timer);
-                resolve({ status: "success" });
-            });
-            api.addEventListener("execution_error", ({ detail }) => {
-                clearTimeout(timer);
-                resolve({ status: "error", detail: `${detail?.node_type}: ${detail?.exception_message}` });
-            });
-        });
-        await app.queuePrompt(0);
-        return await done;
-    }, RUN_TIMEOUT);
-    check(run.status === "success", `the workflow run did not succeed: ${JSON.stringify(run)}`);
-}
-
 function sliderLocator(page, nodeId, block) {
     return page.locator(`.lycoris-panel[data-node-id="${nodeId}"] .lycoris-slider-row[data-block="${block}"] input[type=range]`);
 }
 
-async function main() {
-    if (!["classic", "vue"].includes(RENDERER) || !COMFY_URL || !SCREENSHOT) {
-        console.error("usage: COMFY_URL=http://127.0.0.1:PORT/ SCREENSHOT=out.png [RENDERER=classic|vue] node block_weights.mjs");
-        process.exit(2);
-    }
-    const workflow = JSON.parse(readFileSync(WORKFLOW, "utf8"));
-    const original = workflow.nodes.find((n) => n.type === NODE_TYPE)?.widgets_values;
-    if (!original) {
-        console.error(`${WORKFLOW} has no ${NODE_TYPE} node`);
-        process.exit(2);
-    }
+async function checks({ page, result, workflow, original, pageErrors, consoleErrors }) {
     const originalText = original[3];
-    const profile = mkdtempSync(join(tmpdir(), "lycoris-chromium-"));
-    const pageErrors = [];
-    const consoleErrors = [];
-    const result = { ok: false, renderer: RENDERER, screenshot: SCREENSHOT };
-    let context;
-    let page;
-    try {
-        context = await chromium.launchPersistentContext(profile, {
-            executablePath: CHROMIUM,
-            headless: true,
-            args: CHROMIUM_ARGS,
-            viewport: { width: 1600, height: 1000 },
-        });
-        await context.addInitScript({ content: `window.__lycorisEditorState = ${editorState};` });
-        page = context.pages()[0] ?? (await context.newPage());
-        page.on("pageerror", (err) => pageErrors.push(String(err?.stack || err)));
-        page.on("console", (msg) => {
-            if (msg.type() === "error") consoleErrors.push(msg.text());
-        });
-
-        const settings = await fetch(new URL("settings", COMFY_URL)).then((r) => r.json());
-        await page.goto(COMFY_URL, { waitUntil: "domcontentloaded", timeout: 60000 });
-        await waitFor(
-            page,
-            "the ComfyUI app and our extension",
-            (name) => {
-                const app = window.comfyAPI?.app?.app;
-                return !!app?.graph && !!window.LiteGraph && (app.extensions ?? []).some((e) => e.name === name);
-            },
-            EXTENSION_NAME,
-            60000,
-        );
-        mark("app_loaded");
-        result.templates_dialog_closed = await closeTemplatesDialog(page, !settings["Comfy.TutorialCompleted"]);
-        await page.evaluate(
-            (vue) => window.comfyAPI.app.app.extensionManager.setting.set("Comfy.VueNodes.Enabled", vue),
-            RENDERER === "vue",
-        );
-        if (EXAMPLES_DIR) {
-            result.prompts = {};
-            for (const file of readdirSync(EXAMPLES_DIR).filter((f) => f.endsWith(".json")).sort()) {
-                const graph = JSON.parse(readFileSync(join(EXAMPLES_DIR, file), "utf8"));
-                result.prompts[file] = await page.evaluate(async (wf) => {
-                    const app = window.comfyAPI.app.app;
-                    await app.loadGraphData(wf);
-                    const missing = wf.nodes.filter((n) => !(n.type in window.LiteGraph.registered_node_types));
-                    return { missing: missing.map((n) => n.type), output: (await app.graphToPrompt()).output };
-                }, graph);
-            }
-            mark("examples_converted");
+    await setRenderer(page);
+    if (EXAMPLES_DIR) {
+        result.prompts = {};
+        for (const file of readdirSync(EXAMPLES_DIR).filter((f) => f.endsWith(".json")).sort()) {
+            const graph = JSON.parse(readFileSync(join(EXAMPLES_DIR, file), "utf8"));
+            result.prompts[file] = await page.evaluate(async (wf) => {
+                const app = window.comfyAPI.app.app;
+                await app.loadGraphData(wf);
+                const missing = wf.nodes.filter((n) => !(n.type in window.LiteGraph.registered_node_types));
+                return { missing: missing.map((n) => n.type), output: (await app.graphToPrompt()).output };
+            }, graph);
         }
-        await page.evaluate((wf) => window.comfyAPI.app.app.loadGraphData(wf), workflow);
-        mark("workflow_loaded");
-
-        const before = await waitFor(page, "the Block Weights panel", (t) => window.__lycorisEditorState(t), NODE_TYPE);
-        check(before.value === originalText, `block_weights is ${JSON.stringify(before.value)} after loading`);
-        check(before.rows.length === 0, `sliders before any run: ${JSON.stringify(before.rows)}`);
-        check(before.notes.some((n) => n.includes("run the workflow")), `no hint before the run: ${before.notes}`);
-
-        await queueAndWait(page);
-        mark("first_run");
-        const ran = await waitFor(
-            page,
-            "a slider per block after the run",
-            ([t, n]) => {
-                const s = window.__lycorisEditorState(t);
-                return s.ok && s.rows.length >= n && Object.keys(s.chart).length ? s : { ...s, ok: false };
-            },
-            [NODE_TYPE, Object.keys(EXPECT_VALUES).length],
-            15000,
-        );
-        const values = Object.fromEntries(ran.rows.map((r) => [r.block, r.number]));
-        check(
-            JSON.stringify(values) === JSON.stringify(EXPECT_VALUES),
-            `sliders ${JSON.stringify(values)}, expected ${JSON.stringify(EXPECT_VALUES)}`,
-        );
-        for (const row of ran.rows) check(Number(row.range) === Number(row.number), `slider/number differ: ${JSON.stringify(row)}`);
-        check(ran.errors.length === 0, `the panel shows an error: ${ran.errors}`);
-        result.chart_before = ran.chart;
-
-        // 1. The keyboard on the input_blocks.1 slider: its rule gets the new value where it stands.
-        const keyed = sliderLocator(page, ran.nodeId, KEYBOARD_BLOCK);
-        await keyed.focus();
-        for (let i = 0; i < KEYBOARD_STEPS; i++) await keyed.press("ArrowRight");
-        const keyedValue = formatWeight(Number(EXPECT_VALUES[KEYBOARD_BLOCK]) + KEYBOARD_STEPS * 0.05);
-        const afterKeys = originalText.replace(`${KEYBOARD_BLOCK}=${EXPECT_VALUES[KEYBOARD_BLOCK]}`, `${KEYBOARD_BLOCK}=${keyedValue}`);
-        check(afterKeys !== originalText, "the expected text did not change (test setup)");
-        const keyedState = await waitFor(
-            page,
-            `block_weights with ${KEYBOARD_BLOCK}=${keyedValue}`,
-            ([t, want]) => {
-                const s = window.__lycorisEditorState(t);
-                return s.value === want ? s : { ...s, ok: false };
-            },
-            [NODE_TYPE, afterKeys],
-            5000,
-        );
-        result.after_keyboard = keyedState.value;
-
-        // 2. Drag the middle_block.1 slider with the mouse to its left end (-1): a rule of its own is added.
-        const dragged = sliderLocator(page, ran.nodeId, DRAG_BLOCK);
-        await dragged.scrollIntoViewIfNeeded();
-        const box = await dragged.boundingBox();
-        check(box && box.width > 20, `the ${DRAG_BLOCK} slider is not visible: ${JSON.stringify(box)}`);
-        const fraction = (Number(EXPECT_VALUES[DRAG_BLOCK]) + 1) / 3; // where its thumb is on -1..2
-        const y = box.y + box.height / 2;
-        await page.mouse.move(box.x + fraction * box.width, y);
-        await page.mouse.down();
-        await page.mouse.move(box.x + box.width * 0.4, y, { steps: 5 });
-        await page.mouse.move(box.x - 40, y, { steps: 5 });
-        await page.mouse.up();
-        const expected = `${afterKeys}\n${DRAG_BLOCK}=-1`;
-        const edited = await waitFor(
-            page,
-            `block_weights with ${DRAG_BLOCK}=-1 added`,
-            ([t, want]) => {
-                const s = window.__lycorisEditorState(t);
-                return s.value === want ? s : { ...s, ok: false };
-            },
-            [NODE_TYPE, expected],
-            5000,
-        );
-        mark("sliders_moved");
-        check(edited.textareas.length > 0, "no block_weights textarea found in the page");
-        check(edited.textareas.every((v) => v === expected), `the textarea shows ${JSON.stringify(edited.textareas)}`);
-        check(
-            Array.isArray(edited.saved) && edited.saved.length === original.length && edited.saved[3] === expected,
-            `serialized widgets_values ${JSON.stringify(edited.saved)} (expected ${original.length} values, the new text 4th)`,
-        );
-        check(
-            JSON.stringify(edited.saved.filter((_, i) => i !== 3)) === JSON.stringify(original.filter((_, i) => i !== 3)),
-            `other widget values changed: ${JSON.stringify(edited.saved)}`,
-        );
-        const moved = Object.fromEntries(edited.rows.map((r) => [r.block, r.number]));
-        check(moved[KEYBOARD_BLOCK] === keyedValue && moved[DRAG_BLOCK] === "-1", `numbers now ${JSON.stringify(moved)}`);
-        if (edited.modified === null) warnings.push("no active workflow to check the modified mark on");
-        else check(edited.modified === true, "the workflow is not marked modified after moving the sliders");
-        result.after_drag = edited.value;
-
-        // 3. The server accepts the new text, and the chart follows it.
-        await queueAndWait(page);
-        mark("second_run");
-        const rerun = await waitFor(
-            page,
-            `the chart to change for ${DRAG_BLOCK}`,
-            ([t, block, old]) => {
-                const s = window.__lycorisEditorState(t);
-                return s.ok && s.chart[block] && s.chart[block] !== old ? s : { ...s, ok: false };
-            },
-            [NODE_TYPE, DRAG_BLOCK, ran.chart[DRAG_BLOCK]],
-            15000,
-        );
-        result.chart_after = rerun.chart;
-        check(rerun.value === expected, `block_weights changed by the run: ${JSON.stringify(rerun.value)}`);
-        check(rerun.rows.find((r) => r.block === DRAG_BLOCK)?.number === "-1", "the slider moved back after the run");
-
-        const ours = [...pageErrors, ...consoleErrors].filter((e) => /lycoris/i.test(e));
-        check(ours.length === 0, `errors from the extension: ${ours.join("\n")}`);
-        result.ok = true;
-    } catch (err) {
-        result.error = err instanceof CheckError ? err.message : String(err?.stack || err);
-        if (page) result.state = await page.evaluate((t) => window.__lycorisEditorState?.(t), NODE_TYPE).catch(() => null);
-    } finally {
-        if (page) {
-            try {
-                await saveScreenshots(page, result);
-            } catch (err) {
-                result.ok = false;
-                result.error = (result.error ? result.error + "; " : "") + `screenshot failed: ${err}`;
-            }
-        }
-        if (context) await context.close().catch(() => {});
-        rmSync(profile, { recursive: true, force: true });
+        mark("examples_converted");
     }
-    mark("done");
-    Object.assign(result, { warnings, timings, page_errors: pageErrors.slice(0, 10) });
-    if (!result.ok) console.error(`block_weights.mjs: FAILED (${RENDERER}): ${result.error}`);
-    console.log(JSON.stringify(result));
-    process.exit(result.ok ? 0 : 1);
+    await loadWorkflow(page, workflow);
+
+    const before = await waitFor(page, "the Block Weights panel", (t) => window.__lycorisEditorState(t), NODE_TYPE);
+    check(before.value === originalText, `block_weights is ${JSON.stringify(before.value)} after loading`);
+    check(before.rows.length === 0, `sliders before any run: ${JSON.stringify(before.rows)}`);
+    check(before.notes.some((n) => n.includes("run the workflow")), `no hint before the run: ${before.notes}`);
+
+    await queueAndWait(page);
+    mark("first_run");
+    const ran = await waitFor(
+        page,
+        "a slider per block after the run",
+        ([t, n]) => {
+            const s = window.__lycorisEditorState(t);
+            return s.ok && s.rows.length >= n && Object.keys(s.chart).length ? s : { ...s, ok: false };
+        },
+        [NODE_TYPE, Object.keys(EXPECT_VALUES).length],
+        15000,
+    );
+    const values = Object.fromEntries(ran.rows.map((r) => [r.block, r.number]));
+    check(
+        JSON.stringify(values) === JSON.stringify(EXPECT_VALUES),
+        `sliders ${JSON.stringify(values)}, expected ${JSON.stringify(EXPECT_VALUES)}`,
+    );
+    for (const row of ran.rows) check(Number(row.range) === Number(row.number), `slider/number differ: ${JSON.stringify(row)}`);
+    check(ran.errors.length === 0, `the panel shows an error: ${ran.errors}`);
+    result.chart_before = ran.chart;
+
+    // 1. The keyboard on the input_blocks.1 slider: its rule gets the new value where it stands.
+    const keyed = sliderLocator(page, ran.nodeId, KEYBOARD_BLOCK);
+    await keyed.focus();
+    for (let i = 0; i < KEYBOARD_STEPS; i++) await keyed.press("ArrowRight");
+    const keyedValue = formatWeight(Number(EXPECT_VALUES[KEYBOARD_BLOCK]) + KEYBOARD_STEPS * 0.05);
+    const afterKeys = originalText.replace(`${KEYBOARD_BLOCK}=${EXPECT_VALUES[KEYBOARD_BLOCK]}`, `${KEYBOARD_BLOCK}=${keyedValue}`);
+    check(afterKeys !== originalText, "the expected text did not change (test setup)");
+    const keyedState = await waitFor(
+        page,
+        `block_weights with ${KEYBOARD_BLOCK}=${keyedValue}`,
+        ([t, want]) => {
+            const s = window.__lycorisEditorState(t);
+            return s.value === want ? s : { ...s, ok: false };
+        },
+        [NODE_TYPE, afterKeys],
+        5000,
+    );
+    result.after_keyboard = keyedState.value;
+
+    // 2. Drag the middle_block.1 slider with the mouse to its left end (-1): a rule of its own is added.
+    const dragged = sliderLocator(page, ran.nodeId, DRAG_BLOCK);
+    await dragged.scrollIntoViewIfNeeded();
+    const box = await dragged.boundingBox();
+    check(box && box.width > 20, `the ${DRAG_BLOCK} slider is not visible: ${JSON.stringify(box)}`);
+    const fraction = (Number(EXPECT_VALUES[DRAG_BLOCK]) + 1) / 3; // where its thumb is on -1..2
+    const y = box.y + box.height / 2;
+    await page.mouse.move(box.x + fraction * box.width, y);
+    await page.mouse.down();
+    await page.mouse.move(box.x + box.width * 0.4, y, { steps: 5 });
+    await page.mouse.move(box.x - 40, y, { steps: 5 });
+    await page.mouse.up();
+    const expected = `${afterKeys}\n${DRAG_BLOCK}=-1`;
+    const edited = await waitFor(
+        page,
+        `block_weights with ${DRAG_BLOCK}=-1 added`,
+        ([t, want]) => {
+            const s = window.__lycorisEditorState(t);
+            return s.value === want ? s : { ...s, ok: false };
+        },
+        [NODE_TYPE, expected],
+        5000,
+    );
+    mark("sliders_moved");
+    check(edited.textareas.length > 0, "no block_weights textarea found in the page");
+    check(edited.textareas.every((v) => v === expected), `the textarea shows ${JSON.stringify(edited.textareas)}`);
+    check(
+        Array.isArray(edited.saved) && edited.saved.length === original.length && edited.saved[3] === expected,
+        `serialized widgets_values ${JSON.stringify(edited.saved)} (expected ${original.length} values, the new text 4th)`,
+    );
+    check(
+        JSON.stringify(edited.saved.filter((_, i) => i !== 3)) === JSON.stringify(original.filter((_, i) => i !== 3)),
+        `other widget values changed: ${JSON.stringify(edited.saved)}`,
+    );
+    const moved = Object.fromEntries(edited.rows.map((r) => [r.block, r.number]));
+    check(moved[KEYBOARD_BLOCK] === keyedValue && moved[DRAG_BLOCK] === "-1", `numbers now ${JSON.stringify(moved)}`);
+    if (edited.modified === null) warnings.push("no active workflow to check the modified mark on");
+    else check(edited.modified === true, "the workflow is not marked modified after moving the sliders");
+    result.after_drag = edited.value;
+
+    // 3. The server accepts the new text, and the chart follows it.
+    await queueAndWait(page);
+    mark("second_run");
+    const rerun = await waitFor(
+        page,
+        `the chart to change for ${DRAG_BLOCK}`,
+        ([t, block, old]) => {
+            const s = window.__lycorisEditorState(t);
+            return s.ok && s.chart[block] && s.chart[block] !== old ? s : { ...s, ok: false };
+        },
+        [NODE_TYPE, DRAG_BLOCK, ran.chart[DRAG_BLOCK]],
+        15000,
+    );
+    result.chart_after = rerun.chart;
+    check(rerun.value === expected, `block_weights changed by the run: ${JSON.stringify(rerun.value)}`);
+    check(rerun.rows.find((r) => r.block === DRAG_BLOCK)?.number === "-1", "the slider moved back after the run");
+
+    const ours = [...pageErrors, ...consoleErrors].filter((e) => /lycoris/i.test(e));
+    check(ours.length === 0, `errors from the extension: ${ours.join("\n")}`);
+    result.ok = true;
 }
 
 function formatWeight(value) {
     return String(Math.round(value * 100) / 100);
 }
 
-async function saveScreenshots(page, result) {
-    await page.mouse.move(1590, 990); // no hover tooltips in the pictures
-    await page.waitForTimeout(300);
-    await page.screenshot({ path: SCREENSHOT });
-    const zoomed = await page.evaluate(
-        ([type, scale]) => {
-            const app = window.comfyAPI.app.app;
-            const node = app.graph?.nodes.find((n) => n.type === type);
-            if (!node || !app.canvas?.ds) return false;
-            const ds = app.canvas.ds;
-            ds.scale = scale;
-            ds.offset[0] = 120 / scale - node.pos[0];
-            ds.offset[1] = 130 / scale - (node.pos[1] - window.LiteGraph.NODE_TITLE_HEIGHT);
-            app.canvas.setDirty(true, true);
-            return true;
-        },
-        [NODE_TYPE, CLOSE_UP_SCALE],
-    );
-    if (zoomed) await page.waitForTimeout(500);
-    const box = await page.evaluate((type) => {
-        const app = window.comfyAPI.app.app;
-        const node = app.graph?.nodes.find((n) => n.type === type);
-        if (!node) return null;
-        const vueEl = document.querySelector(`.lg-node[data-node-id="${node.id}"]`);
-        if (vueEl && vueEl.offsetParent !== null) {
-            const r = vueEl.getBoundingClientRect();
-            return { x: r.x, y: r.y, width: r.width, height: r.height };
-        }
-        const canvas = app.canvas;
-        const title = window.LiteGraph.NODE_TITLE_HEIGHT;
-        const [x, y] = canvas.ds.convertOffsetToCanvas([node.pos[0], node.pos[1] - title]);
-        const r = canvas.canvas.getBoundingClientRect();
-        const s = canvas.ds.scale;
-        return { x: r.x + x, y: r.y + y, width: node.size[0] * s, height: (node.size[1] + title) * s };
-    }, NODE_TYPE);
-    if (box) {
-        const pad = 12;
-        const clip = {
-            x: Math.max(0, box.x - pad),
-            y: Math.max(0, box.y - pad),
-            width: Math.min(1600 - Math.max(0, box.x - pad), box.width + 2 * pad),
-            height: Math.min(1000 - Math.max(0, box.y - pad), box.height + 2 * pad),
-        };
-        const path = SCREENSHOT.replace(/(\.png)?$/i, "-node.png");
-        await page.screenshot({ path, clip });
-        result.node_screenshot = path;
-    }
-}
-
-main();
+runBrowserScript({
+    name: "block_weights.mjs",
+    workflowPath: WORKFLOW,
+    nodeType: NODE_TYPE,
+    closeUp: CLOSE_UP,
+    initScript: `window.__lycorisEditorState = ${editorState};`,
+    stateKey: "state",
+    readState: (page) => page.evaluate((t) => window.__lycorisEditorState?.(t), NODE_TYPE),
+    body: checks,
+});

@@ -554,3 +554,18 @@ def reference_fails(variant: Variant, layer: str, directory: Path) -> str | None
     if not any(key.endswith("." + marker) for key in keys for marker in variant.markers):
         return f"no {'/'.join(variant.markers)} key among {keys}"
     return None
+
+
+class Lazy(dict):
+    """Made on first use, once per session, so a `-k` selection only generates what it needs."""
+
+    def __init__(self, make):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key):
+        self[key] = value = self._make(key)
+        return value
+
+    def __repr__(self):  # pytest prints fixture values in tracebacks; the tensors would take seconds
+        return f"<{len(self)} made: {', '.join(map(str, self))}>"

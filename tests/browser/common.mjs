@@ -1,0 +1,282 @@
+// What the browser scripts (panel.mjs, block_weights.mjs) share: the env they read, the checks and the polling, the
+// browser with a fresh profile, opening the UI (and closing the first-run templates dialog), the renderer, loading a
+// workflow, queueing it, the screenshots and the JSON result line.
+//
+// Env: COMFY_URL, SCREENSHOT (both required), RENDERER=classic|vue (default classic), CHROMIUM (default
+// /usr/bin/chromium), TIMEOUT_MS for one workflow run (default 180000).
+
+import { chromium } from "playwright-core";
+import { mkdtempSync, readFileSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { dirname, join, resolve } from "node:path";
+import { fileURLToPath } from "node:url";
+
+export const REPO = resolve(dirname(fileURLToPath(import.meta.url)), "..", "..");
+export const COMFY_URL = process.env.COMFY_URL;
+export const SCREENSHOT = process.env.SCREENSHOT;
+export const RENDERER = process.env.RENDERER || "classic";
+export const CHROMIUM = process.env.CHROMIUM || "/usr/bin/chromium";
+export const RUN_TIMEOUT = Number(process.env.TIMEOUT_MS || 180000);
+export const EXTENSION_NAME = "lycoris_nodes.panel";
+const VIEWPORT = { width: 1600, height: 1000 };
+const CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+];
+
+const t0 = Date.now();
+const timings = {};
+export const warnings = [];
+export const mark = (name) => (timings[name] = (Date.now() - t0) / 1000);
+
+export class CheckError extends Error {}
+export function check(cond, message) {
+    if (!cond) throw new CheckError(message);
+}
+
+/** Poll fn (in the page) until it returns a truthy value that is not {ok: false}; the last value is in the error. */
+export async function waitFor(page, what, fn, arg, timeout = 30000) {
+    const deadline = Date.now() + timeout;
+    let last;
+    while (Date.now() < deadline) {
+        last = await page.evaluate(fn, arg);
+        if (last && (typeof last !== "object" || last.ok !== false)) return last;
+        await page.waitForTimeout(100);
+    }
+    throw new CheckError(`timed out after ${timeout / 1000} s waiting for ${what}; last: ${JSON.stringify(last)}`);
+}
+
+export async function closeTemplatesDialog(page, expected) {
+    // For a new user (the server's Comfy.TutorialCompleted setting unset) the templates dialog opens a moment after
+    // the app; Escape closes it.
+    const dialog = page.locator(".p-dialog");
+    try {
+        await dialog.first().waitFor({ state: "visible", timeout: expected ? 20000 : 1000 });
+    } catch {
+        if (expected) warnings.push("the first-run templates dialog did not open");
+        return false;
+    }
+    // Escape, as for any closable dialog; frontend 1.32.9 opens this one as a non-closable "layout" dialog that
+    // ignores Escape, so then its own close button (×).
+    await page.keyboard.press("Escape");
+    try {
+        await dialog.first().waitFor({ state: "hidden", timeout: 1000 });
+        return "escape";
+    } catch {
+        // still open
+    }
+    const close = page.locator('.p-dialog button:has(i.pi-times), .p-dialog button[aria-label="Close"]').first();
+    await close.click({ timeout: 5000 });
+    try {
+        await dialog.first().waitFor({ state: "hidden", timeout: 5000 });
+        return "close button";
+    } catch {
+        // fall through
+    }
+    throw new CheckError("the first-run templates dialog closed neither on Escape nor with its close button");
+}
+
+/** Load the UI, wait for the app and our extension, close the first-run dialog (result.templates_dialog_closed). */
+async function openUI(page, result) {
+    const settings = await fetch(new URL("settings", COMFY_URL)).then((r) => r.json());
+    await page.goto(COMFY_URL, { waitUntil: "domcontentloaded", timeout: 60000 });
+    await waitFor(
+        page,
+        "the ComfyUI app and our extension",
+        (name) => {
+            const app = window.comfyAPI?.app?.app;
+            return !!app?.graph && !!window.LiteGraph && (app.extensions ?? []).some((e) => e.name === name);
+        },
+        EXTENSION_NAME,
+        60000,
+    );
+    mark("app_loaded");
+    result.templates_dialog_closed = await closeTemplatesDialog(page, !settings["Comfy.TutorialCompleted"]);
+}
+
+/** Settings are stored on the server: set the renderer both ways, a previous run may have switched it. */
+export async function setRenderer(page) {
+    await page.evaluate(
+        (vue) => window.comfyAPI.app.app.extensionManager.setting.set("Comfy.VueNodes.Enabled", vue),
+        RENDERER === "vue",
+    );
+}
+
+export async function loadWorkflow(page, workflow) {
+    await page.evaluate((wf) => window.comfyAPI.app.app.loadGraphData(wf), workflow);
+    mark("workflow_loaded");
+}
+
+/**
+ * Queue the workflow and wait for the run to finish; a failed run fails the check. With cachedType, a run in which
+ * the server answers that node's output from its cache fails too (it sent no report).
+ */
+export async function queueAndWait(page, cachedType = null) {
+    const run = await page.evaluate(async ([timeout, loaderType]) => {
+        const { app } = window.comfyAPI.app;
+        const { api } = window.comfyAPI.api;
+        const loader = loaderType && app.graph.nodes.find((n) => n.type === loaderType);
+        const done = new Promise((resolve) => {
+            const timer = setTimeout(() => resolve({ status: "timeout" }), timeout);
+            if (loader) {
+                api.addEventListener("execution_cached", ({ detail }) => {
+                    if (!detail?.nodes?.map(String).includes(String(loader.id))) return;
+                    clearTimeout(timer);
+                    resolve({
+                        status: "cached",
+                        detail: "the server had the loader's output cached from an earlier run with the same inputs, "
+                            + "so it did not run and sent no report: use a fresh server or start it with --cache-none",
+                    });
+                });
+            }
+            api.addEventListener("execution_success", () => {
+                clearTimeout(timer);
+                resolve({ status: "success" });
+            });
+            api.addEventListener("execution_error", ({ detail }) => {
+                clearTimeout(timer);
+                resolve({ status: "error", detail: `${detail?.node_type}: ${detail?.exception_message}` });
+            });
+        });
+        await app.queuePrompt(0);
+        return await done;
+    }, [RUN_TIMEOUT, cachedType]);
+    check(run.status === "success", `the workflow run did not succeed: ${JSON.stringify(run)}`);
+}
+
+/**
+ * SCREENSHOT, then a close-up of the first node of nodeType ("<name>-node.png", in result.node_screenshot): zoom the
+ * canvas onto it (scale, its title `top` px below the page's top), then clip to its Vue element or its canvas box.
+ */
+async function saveScreenshots(page, result, { nodeType, scale, top }) {
+    await page.mouse.move(VIEWPORT.width - 10, VIEWPORT.height - 10); // no hover tooltips in the pictures
+    await page.waitForTimeout(300);
+    await page.screenshot({ path: SCREENSHOT });
+    const zoomed = await page.evaluate(
+        ([type, s, y]) => {
+            const app = window.comfyAPI.app.app;
+            const node = app.graph?.nodes.find((n) => n.type === type);
+            if (!node || !app.canvas?.ds) return false;
+            const ds = app.canvas.ds;
+            ds.scale = s;
+            ds.offset[0] = 120 / s - node.pos[0];
+            ds.offset[1] = y / s - (node.pos[1] - window.LiteGraph.NODE_TITLE_HEIGHT);
+            app.canvas.setDirty(true, true);
+            return true;
+        },
+        [nodeType, scale, top],
+    );
+    if (zoomed) await page.waitForTimeout(500); // redraw, DOM widgets and Vue nodes follow the canvas
+    const box = await page.evaluate((type) => {
+        const app = window.comfyAPI.app.app;
+        const node = app.graph?.nodes.find((n) => n.type === type);
+        if (!node) return null;
+        const vueEl = document.querySelector(`.lg-node[data-node-id="${node.id}"]`);
+        if (vueEl && vueEl.offsetParent !== null) {
+            const r = vueEl.getBoundingClientRect();
+            return { x: r.x, y: r.y, width: r.width, height: r.height };
+        }
+        const canvas = app.canvas;
+        const title = window.LiteGraph.NODE_TITLE_HEIGHT;
+        const [x, y] = canvas.ds.convertOffsetToCanvas([node.pos[0], node.pos[1] - title]);
+        const r = canvas.canvas.getBoundingClientRect();
+        const s = canvas.ds.scale;
+        return { x: r.x + x, y: r.y + y, width: node.size[0] * s, height: (node.size[1] + title) * s };
+    }, nodeType);
+    if (box) {
+        const pad = 12;
+        const x = Math.max(0, box.x - pad);
+        const y = Math.max(0, box.y - pad);
+        const clip = {
+            x,
+            y,
+            width: Math.min(VIEWPORT.width - x, box.width + 2 * pad),
+            height: Math.min(VIEWPORT.height - y, box.height + 2 * pad),
+        };
+        const path = SCREENSHOT.replace(/(\.png)?$/i, "-node.png");
+        await page.screenshot({ path, clip });
+        result.node_screenshot = path;
+    }
+}
+
+/**
+ * The frame of a browser script: check the env (exit 2 on bad usage), launch Chromium with a fresh profile, open the
+ * UI, run `body`, save the screenshots, print the JSON result line; exit 0 when body finished, 1 when it threw.
+ *
+ * name: the script's file name, for messages. workflowPath: the workflow to test, which must have a node of nodeType
+ * (exit 2 otherwise). nodeType, closeUp ({scale, top}): the node of the close-up.
+ * initScript: JS run in every page before its own scripts. clipboard: grant clipboard access to the ComfyUI origin.
+ * stateKey, readState(page): on a failure, result[stateKey] = await readState(page).
+ * body({page, result, workflow, original, pageErrors, consoleErrors}): the checks, with the workflow and its nodeType
+ * node's widgets_values; sets result.ok = true when they all pass.
+ */
+export async function runBrowserScript({ name, workflowPath, nodeType, closeUp, initScript, clipboard = false, stateKey, readState, body }) {
+    const log = (msg) => console.error(`${name}: ${msg}`);
+    if (!["classic", "vue"].includes(RENDERER)) {
+        log(`RENDERER must be classic or vue, not ${RENDERER}`);
+        process.exit(2);
+    }
+    if (!COMFY_URL || !SCREENSHOT) {
+        log(`usage: COMFY_URL=http://127.0.0.1:PORT/ SCREENSHOT=out.png [RENDERER=classic|vue] node tests/browser/${name}`);
+        process.exit(2);
+    }
+    const workflow = JSON.parse(readFileSync(workflowPath, "utf8"));
+    const original = workflow.nodes.find((n) => n.type === nodeType)?.widgets_values;
+    if (!original) {
+        log(`${workflowPath} has no ${nodeType} node`);
+        process.exit(2);
+    }
+    const profile = mkdtempSync(join(tmpdir(), "lycoris-chromium-"));
+    const pageErrors = [];
+    const consoleErrors = [];
+    const result = { ok: false, renderer: RENDERER, screenshot: SCREENSHOT };
+    let context;
+    let page;
+    try {
+        // A fresh --user-data-dir (playwright passes the profile folder as that flag).
+        context = await chromium.launchPersistentContext(profile, {
+            executablePath: CHROMIUM,
+            headless: true,
+            args: CHROMIUM_ARGS,
+            viewport: VIEWPORT,
+        });
+        if (clipboard) {
+            await context.grantPermissions(["clipboard-read", "clipboard-write"], { origin: new URL(COMFY_URL).origin });
+        }
+        if (initScript) await context.addInitScript({ content: initScript });
+        page = context.pages()[0] ?? (await context.newPage());
+        page.on("pageerror", (err) => pageErrors.push(String(err?.stack || err)));
+        page.on("console", (msg) => {
+            if (msg.type() === "error") consoleErrors.push(msg.text());
+        });
+        await openUI(page, result);
+        await body({ page, result, workflow, original, pageErrors, consoleErrors });
+    } catch (err) {
+        result.error = err instanceof CheckError ? err.message : String(err?.stack || err);
+        if (page && readState) result[stateKey] = await readState(page).catch(() => null);
+    } finally {
+        if (page) {
+            try {
+                await saveScreenshots(page, result, { nodeType, ...closeUp });
+            } catch (err) {
+                result.ok = false;
+                result.error = (result.error ? result.error + "; " : "") + `screenshot failed: ${err}`;
+            }
+        }
+        if (context) await context.close().catch(() => {});
+        rmSync(profile, { recursive: true, force: true });
+    }
+    mark("done");
+    Object.assign(result, { warnings, timings, page_errors: pageErrors.slice(0, 10) });
+    for (const w of warnings) log(`warning: ${w}`);
+    if (!result.ok) log(`FAILED (${RENDERER}): ${result.error}`);
+    console.log(JSON.stringify(result));
+    process.exit(result.ok ? 0 : 1);
+}
+
