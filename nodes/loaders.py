@@ -66,6 +66,18 @@ def panel_off(lycoris_name: str, model, clip) -> dict:
     return {"lycoris": [data]}
 
 
+def load_and_apply(model, clip, lycoris_name: str, strength_model: float, strength_clip: float, strength_mode: str,
+                   weights=None) -> tuple:
+    """(model, clip, panel payload) for every loader-like node; a side whose strength is off comes back unchanged."""
+    reference = strength_mode == "lycoris"
+    if is_off(strength_model, reference) and is_off(strength_clip, reference):
+        return model, clip, panel_off(lycoris_name, model, clip)
+    path = lycoris_path(lycoris_name)
+    new_model, new_clip, report = apply_file(load_cached(path), model, clip, strength_model, strength_clip,
+                                             reference, weights)
+    return new_model, new_clip, panel_ui(path, report, model, clip, strength_model, strength_clip, weights)
+
+
 class LycorisLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -92,14 +104,9 @@ class LycorisLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, clip, lycoris_name, strength_model, strength_clip, strength_mode="linear"):
-        reference = strength_mode == "lycoris"
-        if is_off(strength_model, reference) and is_off(strength_clip, reference):
-            return io.NodeOutput(model, clip, ui=panel_off(lycoris_name, model, clip))
-        path = lycoris_path(lycoris_name)
-        new_model, new_clip, report = apply_file(load_cached(path), model, clip, strength_model, strength_clip,
-                                                 reference)
-        return io.NodeOutput(new_model, new_clip,
-                             ui=panel_ui(path, report, model, clip, strength_model, strength_clip))
+        new_model, new_clip, ui = load_and_apply(model, clip, lycoris_name, strength_model, strength_clip,
+                                                 strength_mode)
+        return io.NodeOutput(new_model, new_clip, ui=ui)
 
 
 class LycorisLoaderModelOnly(io.ComfyNode):
@@ -124,12 +131,8 @@ class LycorisLoaderModelOnly(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, lycoris_name, strength_model, strength_mode="linear"):
-        reference = strength_mode == "lycoris"
-        if is_off(strength_model, reference):
-            return io.NodeOutput(model, ui=panel_off(lycoris_name, model, None))
-        path = lycoris_path(lycoris_name)
-        new_model, _clip, report = apply_file(load_cached(path), model, None, strength_model, 0.0, reference)
-        return io.NodeOutput(new_model, ui=panel_ui(path, report, model, None, strength_model, 0.0))
+        new_model, _clip, ui = load_and_apply(model, None, lycoris_name, strength_model, 0.0, strength_mode)
+        return io.NodeOutput(new_model, ui=ui)
 
 
 NODES: list[type[io.ComfyNode]] = [LycorisLoader, LycorisLoaderModelOnly]

@@ -3,18 +3,17 @@
 from comfy_api.latest import io
 
 from ..lycoris_core.block_weights import parse
-from .apply import apply_file, is_off, map_file
+from .apply import map_file
 from .cache import load_cached
 from .loaders import (
     CATEGORY,
     clip_input,
+    load_and_apply,
     lycoris_input,
     lycoris_path,
     mode_input,
     model_clip_outputs,
     model_input,
-    panel_off,
-    panel_ui,
     strength_input,
 )
 from .presets import CUSTOM, block_weight_text, preset_names
@@ -68,14 +67,9 @@ class LycorisBlockWeights(io.ComfyNode):
     def execute(cls, model, clip, lycoris_name, strength_model, strength_clip, block_weights, preset=CUSTOM,
                 strength_mode="linear"):
         weights = parse(block_weight_text(preset, block_weights))
-        reference = strength_mode == "lycoris"
-        if is_off(strength_model, reference) and is_off(strength_clip, reference):
-            return io.NodeOutput(model, clip, ui=panel_off(lycoris_name, model, clip))
-        path = lycoris_path(lycoris_name)
-        new_model, new_clip, report = apply_file(load_cached(path), model, clip, strength_model, strength_clip,
-                                                 reference, weights)
-        return io.NodeOutput(new_model, new_clip,
-                             ui=panel_ui(path, report, model, clip, strength_model, strength_clip, weights))
+        new_model, new_clip, ui = load_and_apply(model, clip, lycoris_name, strength_model, strength_clip,
+                                                 strength_mode, weights)
+        return io.NodeOutput(new_model, new_clip, ui=ui)
 
 
 class LycorisBlockInfo(io.ComfyNode):
