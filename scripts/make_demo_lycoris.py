@@ -56,18 +56,26 @@ PRESET = {
     "target_name": [],
     "lora_prefix": "lora_unet",
 }
-METADATA = {
-    "ss_network_module": "lycoris.kohya",
-    "ss_network_dim": str(NETWORK_KWARGS["linear_dim"]),
-    "ss_network_alpha": str(NETWORK_KWARGS["linear_alpha"]),
-    "ss_network_args": json.dumps({"algo": "lokr", "factor": "4", "dora_wd": "True", "preset": "demo"}),
-    "ss_base_model_version": "sd_v1",
-    "modelspec.sai_model_spec": "1.0.0",
-    "modelspec.architecture": "stable-diffusion-v1/lora",
-    "modelspec.implementation": "https://github.com/KohakuBlueleaf/LyCORIS",
-    "modelspec.title": "LyCORIS Nodes demo (LoKr + DoRA, random)",
-    "modelspec.trigger_phrase": "lycodemo",
-}
+
+
+def demo_metadata(kwargs: dict, network_args: dict, title: str, trigger: str) -> dict[str, str]:
+    """kohya/modelspec metadata as sd-scripts writes it (values are strings), for the inspector to read back."""
+    return {
+        "ss_network_module": "lycoris.kohya",
+        "ss_network_dim": str(kwargs["linear_dim"]),
+        "ss_network_alpha": str(kwargs["linear_alpha"]),
+        "ss_network_args": json.dumps({**network_args, "preset": "demo"}),
+        "ss_base_model_version": "sd_v1",
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": "stable-diffusion-v1/lora",
+        "modelspec.implementation": "https://github.com/KohakuBlueleaf/LyCORIS",
+        "modelspec.title": title,
+        "modelspec.trigger_phrase": trigger,
+    }
+
+
+METADATA = demo_metadata(NETWORK_KWARGS, {"algo": "lokr", "factor": "4", "dora_wd": "True"},
+                         "LyCORIS Nodes demo (LoKr + DoRA, random)", "lycodemo")
 
 # The second file (demo_loha_te.safetensors): LoHa over the same UNet modules and CLIP-L's attention and MLP Linears.
 LOHA_VERSION = "1"
@@ -80,18 +88,8 @@ TE_PRESET = {
     "target_name": [],
     "lora_prefix": "lora_te",
 }
-LOHA_METADATA = {
-    "ss_network_module": "lycoris.kohya",
-    "ss_network_dim": str(LOHA_KWARGS["linear_dim"]),
-    "ss_network_alpha": str(LOHA_KWARGS["linear_alpha"]),
-    "ss_network_args": json.dumps({"algo": "loha", "preset": "demo"}),
-    "ss_base_model_version": "sd_v1",
-    "modelspec.sai_model_spec": "1.0.0",
-    "modelspec.architecture": "stable-diffusion-v1/lora",
-    "modelspec.implementation": "https://github.com/KohakuBlueleaf/LyCORIS",
-    "modelspec.title": "LyCORIS Nodes demo (LoHa, UNet + text encoder, random)",
-    "modelspec.trigger_phrase": "lycoloha",
-}
+LOHA_METADATA = demo_metadata(LOHA_KWARGS, {"algo": "loha"},
+                              "LyCORIS Nodes demo (LoHa, UNet + text encoder, random)", "lycoloha")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,17 @@ function loadCss() {
     document.head.appendChild(link);
 }
 
+/** Run `after` each time the widget's value is set through its callback, keeping any callback it already has. */
+function afterCallback(widget, after) {
+    if (!widget) return;
+    const callback = widget.callback;
+    widget.callback = function (...args) {
+        const result = callback?.apply(this, args);
+        after();
+        return result;
+    };
+}
+
 function el(tag, className, text) {
     const node = document.createElement(tag);
     if (className) node.className = className;
@@ -547,37 +558,14 @@ function addPanel(node) {
         return onRemoved?.apply(this, args);
     };
 
-    const nameWidget = panel.nameWidget();
-    if (nameWidget) {
-        const callback = nameWidget.callback;
-        nameWidget.callback = function (...args) {
-            const result = callback?.apply(this, args);
-            panel.refresh();
-            return result;
-        };
-    }
+    afterCallback(panel.nameWidget(), () => panel.refresh());
     if (panel.blockEditor) {
         // Sliders follow the text when it is typed (the textarea's input event) or set (its callback, the preset).
         const textWidget = panel.textWidget();
         const area = textWidget?.inputEl ?? textWidget?.element;
         area?.addEventListener?.("input", () => panel.syncSliders());
-        if (textWidget) {
-            const callback = textWidget.callback;
-            textWidget.callback = function (...args) {
-                const result = callback?.apply(this, args);
-                panel.syncSliders();
-                return result;
-            };
-        }
-        const presetWidget = node.widgets?.find((w) => w.name === PRESET_WIDGET);
-        if (presetWidget) {
-            const callback = presetWidget.callback;
-            presetWidget.callback = function (...args) {
-                const result = callback?.apply(this, args);
-                panel.render();
-                return result;
-            };
-        }
+        afterCallback(textWidget, () => panel.syncSliders());
+        afterCallback(node.widgets?.find((w) => w.name === PRESET_WIDGET), () => panel.render());
     }
     // After the graph's configure() has set the saved widget values (a no-op if loadedGraphNode did it).
     setTimeout(() => panel.refresh(), 0);
