@@ -6,6 +6,7 @@ is half-applied: every module is checked against its target weight before any pa
 
 import difflib
 import logging
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from ..lycoris_core import LycorisError, LycorisFile, Module, Plan
 from ..lycoris_core.block_weights import BlockWeights
 from ..lycoris_core.summary import declared_family, family_id, infer_family
 from .adapter import LycorisAdapter
+from .bypass import contribution, injection, wants_bypass
 
 log = logging.getLogger("lycoris_nodes")
 
@@ -58,13 +60,15 @@ class ApplyReport:
     params_total: int = 0
     params_applied: int = 0
     verdict: str = ""  # one sentence when the file does not look made for this model
+    bypassed: int = 0  # patches run in the layers' forward instead of merged (apply_mode bypass/auto)
     targets: dict[str, Applied] = field(default_factory=dict, repr=False)
 
     def line(self) -> str:
         algos = ", ".join(f"{label} {n}" for label, n in self.labels.most_common())
         share = f", {100 * self.params_applied / self.params_total:.0f}% of parameters" if self.params_total else ""
-        return (f"{self.file}: {len(self.applied)}/{self.total} modules applied" + (f" ({algos}{share})" if algos else "")
-                + (f". {self.verdict}" if self.verdict else ""))
+        bypass = f", {self.bypassed} in bypass" if self.bypassed else ""
+        return (f"{self.file}: {len(self.applied)}/{self.total} modules applied"
+                + (f" ({algos}{share}{bypass})" if algos else "") + (f". {self.verdict}" if self.verdict else ""))
 
     def details(self) -> str:
         rows = [f"  {key}: {reason}" for key, reason in self.problems + self.unused_keys]
@@ -74,7 +78,7 @@ class ApplyReport:
     def to_json(self) -> dict:
         return {"file": self.file, "line": self.line(), "applied": len(self.applied), "total": self.total,
                 "algorithms": dict(self.labels.most_common()), "params_applied": self.params_applied,
-                "params_total": self.params_total, "verdict": self.verdict,
+                "params_total": self.params_total, "verdict": self.verdict, "bypassed": self.bypassed,
                 "problems": [list(p) for p in self.problems], "unused_keys": [list(u) for u in self.unused_keys]}
 
 
@@ -239,11 +243,14 @@ def nothing_applied_error(report: ApplyReport) -> LycorisError:
 
 
 def apply_file(lfile: LycorisFile, model, clip, strength_model: float, strength_clip: float, reference: bool,
-               block_weights: BlockWeights | None = None):
+               block_weights: BlockWeights | None = None, apply_mode: str = "merge", injection_key: str | None = None):
     """(patched model clone, patched clip clone, report); a side stays the input object when its strength is off.
 
     `block_weights` multiplies each weight's strength (through add_patches' strength_patch, so every algorithm
     scales like it does with the strength); a block weight of 0 leaves that block untouched.
+    `apply_mode`: "merge" patches weights; "bypass" runs Linear/Conv adapters in the layers' forward (weights
+    untouched; biases and norm layers are still merged); "auto" bypasses only layers whose weights are not plain
+    float. `injection_key` names this node's bypass injection (unique per node, so bypass nodes stack).
     Raises LycorisError when nothing in the file fits the model/clip given.
     """
     patches, report = map_file(lfile, model, clip, reference)
@@ -254,8 +261,9 @@ def apply_file(lfile: LycorisFile, model, clip, strength_model: float, strength_
     else:
         log.info("LyCORIS %s", report.line())
     weights = block_weights or BlockWeights()
-    new_model = _patched(model, patches.get("model"), strength_model, reference, report, weights)
-    new_clip = _patched(clip, patches.get("clip"), strength_clip, reference, report, weights)
+    key = f"lycoris:{injection_key or uuid.uuid4().hex}"
+    new_model = _patched(model, patches.get("model"), strength_model, reference, report, weights, apply_mode, key)
+    new_clip = _patched(clip, patches.get("clip"), strength_clip, reference, report, weights, apply_mode, key)
     return new_model, new_clip, report
 
 
@@ -264,16 +272,35 @@ def is_off(strength: float, reference: bool) -> bool:
     return strength == 0 and not reference
 
 
-def _patched(target, patches: dict | None, strength: float, reference: bool, report: ApplyReport,
-             weights: BlockWeights):
-    if target is None or not patches or is_off(strength, reference):
-        return target
+def patched_clone(target, patches: dict, strength: float, weights: BlockWeights | None = None,
+                  apply_mode: str = "merge", key: str | None = None, file: str = "") -> tuple[object, int]:
+    """(a clone of `target` (MODEL or CLIP) carrying `patches` at `strength` × block weight, patches bypassed).
+
+    Merged patches go through add_patches; bypassed ones become one injection under `key`."""
     patched = target.clone()
-    refused = []
-    for weight, group in by_block_weight(patches, weights).items():
-        accepted = set(patched.add_patches(group, strength * weight))
-        refused += [k for k in group if k not in accepted]
+    patcher = getattr(patched, "patcher", patched)  # a CLIP keeps its ModelPatcher in .patcher
+    refused, bypassed = [], []
+    for weight, group in by_block_weight(patches, weights or BlockWeights()).items():
+        to_bypass = {k for k, a in group.items() if wants_bypass(apply_mode, patcher.model, k, a.plan)}
+        bypassed += [(k if isinstance(k, str) else k[0], contribution(group[k], k, strength * weight))
+                     for k in group if k in to_bypass]
+        to_merge = {k: a for k, a in group.items() if k not in to_bypass}
+        if to_merge:
+            accepted = set(patched.add_patches(to_merge, strength * weight))
+            refused += [k for k in to_merge if k not in accepted]
     if refused:
         # add_patches only refuses keys missing from the state dict, which find_target already ruled out.
-        raise LycorisError(f"ComfyUI refused {len(refused)} patches, e.g. {refused[0]}", file=report.file)
+        raise LycorisError(f"ComfyUI refused {len(refused)} patches, e.g. {refused[0]}", file=file)
+    if bypassed:
+        key = key or f"lycoris:{uuid.uuid4().hex}"
+        patcher.set_injections(key, [injection(key, bypassed)])
+    return patched, len(bypassed)
+
+
+def _patched(target, patches: dict | None, strength: float, reference: bool, report: ApplyReport,
+             weights: BlockWeights, apply_mode: str, key: str):
+    if target is None or not patches or is_off(strength, reference):
+        return target
+    patched, bypassed = patched_clone(target, patches, strength, weights, apply_mode, key, report.file)
+    report.bypassed += bypassed
     return patched

@@ -1,0 +1,129 @@
+"""Bypass mode in ComfyUI: adapters run in the layers' forward, installed through the patcher's injections.
+
+`ModelPatcher.set_injections(key, [PatcherInjection(inject, eject)])` is ComfyUI's own hook for changing a model
+while it is loaded: ComfyUI injects when it loads a clone and ejects when it unloads or detaches it, so a clone
+with bypass adapters and one without share an nn.Module safely. Each node instance uses its own key, so several
+bypass nodes stack (each adds its entries to the layers; none replaces another's).
+
+A layer gets one `BypassLayer` as its `forward` while any entry is on it; it runs the layer's own forward, then
+adds every entry in order (lycoris_core.bypass.forward). Ejecting removes exactly the entries that injection put
+there, in any order, and the layer's own forward comes back when the last one goes.
+"""
+
+import torch
+from comfy.patcher_extension import PatcherInjection
+from comfy.quant_ops import QuantizedTensor
+
+from ..lycoris_core.bypass import Contribution, LayerOp, forward, is_bypassable
+from ..lycoris_core.casting import cast
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+MODES = ("merge", "bypass", "auto")
+_ATTRIBUTE = "_lycoris_bypass"
+
+
+def layer_op(layer: torch.nn.Module) -> LayerOp | None:
+    """The bias-free op of a Linear-like or ConvNd layer (by structure, so ComfyUI's cast, fp8 and quantized
+    layer classes count), or None for anything else (norms, embeddings, circular padding)."""
+    if isinstance(layer, torch.nn.modules.conv._ConvNd):
+        if layer.padding_mode != "zeros" or layer.transposed:
+            return None
+        return LayerOp(layer.weight.ndim - 2, tuple(layer.stride), layer.padding, tuple(layer.dilation), layer.groups)
+    if hasattr(layer, "in_features") and hasattr(layer, "out_features") and not isinstance(layer, torch.nn.Embedding):
+        return LayerOp()
+    return None
+
+
+def is_plain_float(weight: torch.Tensor) -> bool:
+    """A weight a merge can patch without loss: an ordinary fp32/fp16/bf16/fp64 tensor."""
+    data = weight.data if isinstance(weight, torch.nn.Parameter) else weight
+    return type(data) is torch.Tensor and data.dtype in FLOAT_DTYPES
+
+
+def float_weight(layer: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """The layer's weight as fp32 on `device`: dequantized (QuantizedTensor) or unscaled (scaled fp8), the way
+    ComfyUI's own patching reads it (the op's convert_weight)."""
+    weight = layer.weight
+    if isinstance(weight, QuantizedTensor):
+        weight = weight.dequantize()
+    convert = getattr(layer, "convert_weight", None)
+    if convert is not None:
+        weight = convert(weight, inplace=False)
+    return cast(weight, device, torch.float32)
+
+
+class BypassLayer:
+    """Stands in for one layer's forward while bypass entries are on it."""
+
+    def __init__(self, layer: torch.nn.Module, op: LayerOp):
+        self.layer, self.op = layer, op
+        self.own_forward = layer.__dict__.get("forward")  # an instance-level forward someone else set, if any
+        self.entries: dict[tuple[str, int], Contribution] = {}
+
+    def __call__(self, x, *args, **kwargs):
+        run = self.own_forward or type(self.layer).forward.__get__(self.layer)
+        y = run(x, *args, **kwargs)
+        return forward(x, y, self.op, list(self.entries.values()),
+                       lambda: float_weight(self.layer, x.device), tuple(self.layer.weight.shape))
+
+    @classmethod
+    def on(cls, layer: torch.nn.Module, op: LayerOp) -> "BypassLayer":
+        existing = layer.__dict__.get(_ATTRIBUTE)
+        if existing is None:
+            existing = cls(layer, op)
+            setattr(layer, _ATTRIBUTE, existing)
+            layer.forward = existing
+        return existing
+
+    def remove(self, entry_key: tuple[str, int], contribution: Contribution) -> None:
+        if self.entries.get(entry_key) is contribution:
+            del self.entries[entry_key]
+        if not self.entries:
+            if self.own_forward is None:
+                del self.layer.forward
+            else:
+                self.layer.forward = self.own_forward
+            delattr(self.layer, _ATTRIBUTE)
+
+
+def _layer(root: torch.nn.Module, weight_key: str) -> torch.nn.Module:
+    return root.get_submodule(weight_key.rsplit(".", 1)[0])
+
+
+def injection(key: str, entries: list[tuple[str, Contribution]]) -> PatcherInjection:
+    """One injection installing `entries` ((weight key, contribution), in order) on the patcher's model."""
+
+    def inject(patcher) -> None:
+        for i, (weight_key, contribution) in enumerate(entries):
+            layer = _layer(patcher.model, weight_key)
+            BypassLayer.on(layer, layer_op(layer)).entries[(key, i)] = contribution
+
+    def eject(patcher) -> None:
+        # ComfyUI may eject a clone that copied its `is_injected` flag without ever injecting: remove only ours.
+        for i, (weight_key, contribution) in enumerate(entries):
+            bypass = _layer(patcher.model, weight_key).__dict__.get(_ATTRIBUTE)
+            if bypass is not None:
+                bypass.remove((key, i), contribution)
+
+    return PatcherInjection(inject, eject)
+
+
+def wants_bypass(mode: str, root: torch.nn.Module, patch_key, plan) -> bool:
+    """Whether this target is bypassed under `mode`: never in merge; in bypass, every Linear/Conv weight (whole
+    or a row slice of a fused weight); in auto, those whose weight is not plain float (fp8, quantized, GGUF)."""
+    if mode == "merge" or not is_bypassable(plan):
+        return False
+    key = patch_key if isinstance(patch_key, str) else patch_key[0]
+    if not key.endswith(".weight"):
+        return False
+    if not isinstance(patch_key, str) and (patch_key[1][0] != 0 or len(patch_key) > 2):
+        return False  # only output-row slices map onto output channels; a convert function needs the weight
+    layer = _layer(root, key)
+    if layer_op(layer) is None:
+        return False
+    return mode == "bypass" or not is_plain_float(layer.weight)
+
+
+def contribution(adapter, patch_key, strength: float) -> Contribution:
+    rows = None if isinstance(patch_key, str) else (patch_key[1][1], patch_key[1][2])
+    return Contribution(adapter.plan, adapter.tensors, strength, rows)
