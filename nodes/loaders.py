@@ -4,6 +4,7 @@ import folder_paths
 from comfy_api.latest import io
 
 from .apply import apply_file, is_off, map_file
+from .bypass import MODES
 from .cache import load_cached
 from .report import LOADER_MEASURE_BUDGET, block_changes, payload, roots_of, touched_elements
 
@@ -44,6 +45,26 @@ def mode_input() -> io.Combo.Input:
                           tooltip=STRENGTH_MODE_TOOLTIP)
 
 
+APPLY_MODE_TOOLTIP = (
+    "'merge' (default) patches the weights. 'bypass' leaves every Linear/Conv weight untouched and adds the "
+    "adapter in the layer's forward: a strength change re-patches nothing, and it works on fp8, quantized and GGUF "
+    "weights; it costs some time at every step. 'auto' bypasses only layers whose weights are not plain "
+    "fp32/fp16/bf16 and merges the rest. Biases and norm layers are always merged."
+)
+
+
+def apply_mode_input() -> io.Combo.Input:
+    return io.Combo.Input("apply_mode", options=list(MODES), default="merge", optional=True,
+                          tooltip=APPLY_MODE_TOOLTIP)
+
+
+def node_key(node: type[io.ComfyNode]) -> str | None:
+    """The node instance's id in the prompt: a bypass injection key that is stable across re-runs of this node
+    and different from every other node's. None outside a prompt (then each call gets a fresh key)."""
+    hidden = getattr(node, "hidden", None)
+    return getattr(hidden, "unique_id", None)
+
+
 def lycoris_path(lycoris_name: str) -> str:
     return folder_paths.get_full_path_or_raise("loras", lycoris_name)
 
@@ -67,14 +88,14 @@ def panel_off(lycoris_name: str, model, clip) -> dict:
 
 
 def load_and_apply(model, clip, lycoris_name: str, strength_model: float, strength_clip: float, strength_mode: str,
-                   weights=None) -> tuple:
+                   weights=None, apply_mode: str = "merge", injection_key: str | None = None) -> tuple:
     """(model, clip, panel payload) for every loader-like node; a side whose strength is off comes back unchanged."""
     reference = strength_mode == "lycoris"
     if is_off(strength_model, reference) and is_off(strength_clip, reference):
         return model, clip, panel_off(lycoris_name, model, clip)
     path = lycoris_path(lycoris_name)
     new_model, new_clip, report = apply_file(load_cached(path), model, clip, strength_model, strength_clip,
-                                             reference, weights)
+                                             reference, weights, apply_mode, injection_key)
     return new_model, new_clip, panel_ui(path, report, model, clip, strength_model, strength_clip, weights)
 
 
@@ -98,14 +119,17 @@ class LycorisLoader(io.ComfyNode):
                 strength_input("strength_model", "diffusion model"),
                 strength_input("strength_clip", "text encoder"),
                 mode_input(),
+                apply_mode_input(),
             ],
             outputs=model_clip_outputs(),
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def execute(cls, model, clip, lycoris_name, strength_model, strength_clip, strength_mode="linear"):
+    def execute(cls, model, clip, lycoris_name, strength_model, strength_clip, strength_mode="linear",
+                apply_mode="merge"):
         new_model, new_clip, ui = load_and_apply(model, clip, lycoris_name, strength_model, strength_clip,
-                                                 strength_mode)
+                                                 strength_mode, apply_mode=apply_mode, injection_key=node_key(cls))
         return io.NodeOutput(new_model, new_clip, ui=ui)
 
 
@@ -125,13 +149,16 @@ class LycorisLoaderModelOnly(io.ComfyNode):
                 lycoris_input(),
                 strength_input("strength_model", "diffusion model"),
                 mode_input(),
+                apply_mode_input(),
             ],
             outputs=[io.Model.Output(display_name="MODEL", tooltip="The patched diffusion model.")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def execute(cls, model, lycoris_name, strength_model, strength_mode="linear"):
-        new_model, _clip, ui = load_and_apply(model, None, lycoris_name, strength_model, 0.0, strength_mode)
+    def execute(cls, model, lycoris_name, strength_model, strength_mode="linear", apply_mode="merge"):
+        new_model, _clip, ui = load_and_apply(model, None, lycoris_name, strength_model, 0.0, strength_mode,
+                                              apply_mode=apply_mode, injection_key=node_key(cls))
         return io.NodeOutput(new_model, ui=ui)
 
 

@@ -12,7 +12,16 @@ from ..lycoris_core import LycorisError
 from ..lycoris_core.block_weights import parse
 from .apply import apply_file, is_off
 from .cache import load_cached
-from .loaders import CATEGORY, clip_input, lycoris_path, mode_input, model_clip_outputs, model_input
+from .loaders import (
+    CATEGORY,
+    apply_mode_input,
+    clip_input,
+    lycoris_path,
+    mode_input,
+    model_clip_outputs,
+    model_input,
+    node_key,
+)
 
 LoraStack = io.Custom("LORA_STACK")
 STACK_TOOLTIP = (
@@ -93,21 +102,25 @@ class LycorisApplyStack(io.ComfyNode):
                 clip_input(optional=True),
                 LoraStack.Input("lora_stack", tooltip="Rows of (file, strength_model, strength_clip)."),
                 mode_input(),
+                apply_mode_input(),
             ],
             outputs=model_clip_outputs(),
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def execute(cls, model, lora_stack, clip=None, strength_mode="linear"):
+    def execute(cls, model, lora_stack, clip=None, strength_mode="linear", apply_mode="merge"):
         reference = strength_mode == "lycoris"
+        node = node_key(cls)
         lines = []
-        for row in lora_stack:
+        for i, row in enumerate(lora_stack):
             name, strength_model, strength_clip = row[0], float(row[1]), float(row[2])
             if is_off(strength_model, reference) and is_off(strength_clip, reference):
                 continue
             weights = parse(getattr(row, "block_weights", ""))
             model, clip, report = apply_file(load_cached(lycoris_path(name)), model, clip, strength_model,
-                                             strength_clip, reference, weights)
+                                             strength_clip, reference, weights, apply_mode,
+                                             None if node is None else f"{node}:{i}")
             lines.append(report.line())
         return io.NodeOutput(model, clip, ui={"text": lines})
 

@@ -7,6 +7,7 @@ from .apply import map_file
 from .cache import load_cached
 from .loaders import (
     CATEGORY,
+    apply_mode_input,
     clip_input,
     load_and_apply,
     lycoris_input,
@@ -14,6 +15,7 @@ from .loaders import (
     mode_input,
     model_clip_outputs,
     model_input,
+    node_key,
     strength_input,
 )
 from .presets import CUSTOM, block_weight_text, preset_names
@@ -59,16 +61,18 @@ class LycorisBlockWeights(io.ComfyNode):
                 block_weights_input(),
                 preset_input(),
                 mode_input(),
+                apply_mode_input(),
             ],
             outputs=model_clip_outputs(),
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
     def execute(cls, model, clip, lycoris_name, strength_model, strength_clip, block_weights, preset=CUSTOM,
-                strength_mode="linear"):
+                strength_mode="linear", apply_mode="merge"):
         weights = parse(block_weight_text(preset, block_weights))
         new_model, new_clip, ui = load_and_apply(model, clip, lycoris_name, strength_model, strength_clip,
-                                                 strength_mode, weights)
+                                                 strength_mode, weights, apply_mode, node_key(cls))
         return io.NodeOutput(new_model, new_clip, ui=ui)
 
 

@@ -147,9 +147,10 @@ def baseline(sd15, conds):
 
 @pytest.mark.parametrize("cls,node_id,names,outputs", [
     (LycorisLoader, "LycorisLoader",
-     ["model", "clip", "lycoris_name", "strength_model", "strength_clip", "strength_mode"], ["MODEL", "CLIP"]),
+     ["model", "clip", "lycoris_name", "strength_model", "strength_clip", "strength_mode", "apply_mode"],
+     ["MODEL", "CLIP"]),
     (LycorisLoaderModelOnly, "LycorisLoaderModelOnly",
-     ["model", "lycoris_name", "strength_model", "strength_mode"], ["MODEL"]),
+     ["model", "lycoris_name", "strength_model", "strength_mode", "apply_mode"], ["MODEL"]),
 ])
 def test_schema(cls, node_id, names, outputs, loras):
     write(loras, "listed.safetensors", lora(TO_Q, 320, 320, seed=0))
