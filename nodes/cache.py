@@ -1,19 +1,115 @@
-"""Parsed files, shared by every node in the process (V3 nodes keep no instance state).
+"""Parsed files, shared by every node in the process (V3 nodes keep no instance state, so the cache is module level).
 
-Keyed by path, size and mtime so an edited file is read again. Tensors are views of a memory map, so an entry costs
-address space and page cache rather than process memory.
+A stack of N nodes naming one file, a re-run with new strengths and two workflows using the same file all read it
+once. Entries are keyed by (resolved path, size, mtime_ns), so an edited file is read again, and bounded by bytes: the
+sum of the tensor bytes the cached files hold (each distinct storage once), at most `budget_bytes()`. A file larger
+than the budget is returned and used but not kept. When the system runs short of memory the least recently used
+entries are dropped before a new one is added, and whenever `trim()` is called.
+
+Tensors are views of a memory map (see lycoris_core/safetensors_file.py), so an entry costs page cache that the OS
+can reclaim rather than anonymous process memory; dropping an entry drops the last reference to its map (unless a
+model still holds one), and the OS may then drop its pages. Adapters already handed to a ModelPatcher keep their own
+references to the tensors they use, so evicting a file never changes a model that is already patched: the memory of
+those tensors is freed when that model is.
+
+ComfyUI calls in from the prompt worker thread and from aiohttp handlers, so the table is guarded by a lock. Files are
+read outside the lock: a slow read never blocks a route that only asks for `stats()`.
 """
 
+import functools
+import logging
 import os
+import threading
 from collections import OrderedDict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import comfy.lora_convert
+import psutil
 
 from ..lycoris_core import LycorisFile, SafetensorsFile, parse_state_dict
 
-_MAX_FILES = 16
-_files: "OrderedDict[tuple, LycorisFile]" = OrderedDict()
+log = logging.getLogger("lycoris_nodes")
+
+MB = 1024 * 1024
+GIB = 1024 * MB
+BUDGET_ENV = "LYCORIS_CACHE_MB"
+_DEFAULT_BUDGET_CAP = 2 * GIB
+_DEFAULT_BUDGET_SHARE = 8  # at most 1/8 of total RAM
+_FLOOR_CAP = 1 * GIB
+_FLOOR_SHARE = 10  # under pressure while available memory < min(1 GiB, 10% of total)
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    files: int
+    bytes: int
+    budget: int
+    hits: int
+    misses: int
+    evictions: int
+
+    def line(self) -> str:
+        return (f"LyCORIS cache: {self.files} {'file' if self.files == 1 else 'files'}, {_mb(self.bytes)} of "
+                f"{_mb(self.budget)}; {self.hits} hits, {self.misses} misses, {self.evictions} evicted")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    file: LycorisFile
+    nbytes: int
+
+
+_lock = threading.Lock()
+_files: "OrderedDict[tuple, _Entry]" = OrderedDict()  # least recently used first
+_counts = {"hits": 0, "misses": 0, "evictions": 0}
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / MB:.1f} MB"
+
+
+@functools.lru_cache(maxsize=8)  # one warning per distinct bad value, not one per load
+def _parse_budget(value: str) -> int | None:
+    try:
+        megabytes = float(value)
+    except ValueError:
+        megabytes = -1.0
+    if not megabytes >= 0 or megabytes == float("inf"):
+        log.warning("LyCORIS cache: %s=%r is not a number of megabytes >= 0; using the default budget", BUDGET_ENV,
+                    value)
+        return None
+    return int(megabytes * MB)
+
+
+def budget_bytes() -> int:
+    """LYCORIS_CACHE_MB (read on every check, so it can change while ComfyUI runs; 0 keeps nothing), else
+    min(2 GiB, 1/8 of total RAM)."""
+    value = os.environ.get(BUDGET_ENV, "").strip()
+    parsed = _parse_budget(value) if value else None
+    if parsed is not None:
+        return parsed
+    return min(_DEFAULT_BUDGET_CAP, psutil.virtual_memory().total // _DEFAULT_BUDGET_SHARE)
+
+
+def _under_pressure() -> bool:
+    memory = psutil.virtual_memory()
+    return memory.available < min(_FLOOR_CAP, memory.total // _FLOOR_SHARE)
+
+
+def file_bytes(file: LycorisFile) -> int:
+    """The bytes of the tensors a parsed file holds, each distinct storage counted once (modules of one key group
+    can share a tensor, and a converted tensor can be a view of another)."""
+    storages: dict[int, int] = {}
+    for module in file.modules.values():
+        for tensor in module.tensors.values():
+            storage = tensor.untyped_storage()
+            if storage.nbytes():
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def read(path: str | os.PathLike) -> LycorisFile:
@@ -23,18 +119,65 @@ def read(path: str | os.PathLike) -> LycorisFile:
     return parse_state_dict(state_dict, reader.name, reader.metadata)
 
 
-def load_cached(path: str | os.PathLike) -> LycorisFile:
-    stat = Path(path).stat()
-    key = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
-    if key in _files:
-        _files.move_to_end(key)
-        return _files[key]
-    parsed = read(path)
-    _files[key] = parsed
-    while len(_files) > _MAX_FILES:
-        _files.popitem(last=False)
-    return parsed
+def _total_locked() -> int:
+    return sum(entry.nbytes for entry in _files.values())
+
+
+def _evict_locked(key: tuple) -> None:
+    del _files[key]
+    _counts["evictions"] += 1
+
+
+def _trim_locked(bytes_needed: int) -> None:
+    budget = budget_bytes()
+    while _files and (_total_locked() + bytes_needed > budget or _under_pressure()):
+        _evict_locked(next(iter(_files)))
+
+
+def trim(bytes_needed: int = 0) -> None:
+    """Drop least recently used files until `bytes_needed` more fit in the budget and the system is not short of
+    memory (available memory at least min(1 GiB, 10% of total)), or nothing is left."""
+    with _lock:
+        _trim_locked(bytes_needed)
 
 
 def clear() -> None:
-    _files.clear()
+    """Drop every file (the hit/miss/eviction counters are kept: they describe the process)."""
+    with _lock:
+        _files.clear()
+
+
+def stats() -> CacheStats:
+    with _lock:
+        return CacheStats(len(_files), _total_locked(), budget_bytes(), **_counts)
+
+
+def load_cached(path: str | os.PathLike) -> LycorisFile:
+    resolved = str(Path(path).resolve())
+    stat = Path(resolved).stat()
+    key = (resolved, stat.st_size, stat.st_mtime_ns)
+    with _lock:
+        entry = _files.get(key)
+        if entry is not None:
+            _files.move_to_end(key)
+            _counts["hits"] += 1
+            return entry.file
+    parsed = read(path)
+    nbytes = file_bytes(parsed)
+    with _lock:
+        _counts["misses"] += 1
+        entry = _files.get(key)
+        if entry is not None:  # another thread read it meanwhile: keep one copy
+            _files.move_to_end(key)
+            return entry.file
+        for stale in [k for k in _files if k[0] == resolved]:  # older versions of the file can never be hit again
+            _evict_locked(stale)
+        kept = nbytes <= budget_bytes()
+        _trim_locked(nbytes if kept else 0)
+        if kept:
+            _files[key] = _Entry(parsed, nbytes)
+        current = CacheStats(len(_files), _total_locked(), budget_bytes(), **_counts)
+    log.info("LyCORIS cache: read %s (%s)%s; %d files, %s of %s", Path(resolved).name, _mb(nbytes),
+             "" if kept else ", not kept: larger than the budget", current.files, _mb(current.bytes),
+             _mb(current.budget))
+    return parsed

@@ -5,8 +5,8 @@ import json
 from comfy_api.latest import io
 
 from ..lycoris_core.summary import summarize
+from . import cache
 from .apply import map_file
-from .cache import load_cached
 from .loaders import CATEGORY, lycoris_input, lycoris_path
 from .report import block_changes, payload, roots_of
 
@@ -32,7 +32,9 @@ class LycorisInfo(io.ComfyNode):
                                tooltip="The strength at which the per-block change is measured."),
             ],
             outputs=[
-                io.String.Output(display_name="summary", tooltip="What the file is, as readable text."),
+                io.String.Output(display_name="summary",
+                                 tooltip="What the file is, as readable text, and a last line on the pack's file "
+                                         "cache (files, memory, budget, hits, misses, evictions)."),
                 io.String.Output(display_name="trigger_words",
                                  tooltip="Trigger words (modelspec trigger phrase, then the most frequent training "
                                          "tags), comma-separated, ready to join into a prompt."),
@@ -49,9 +51,10 @@ class LycorisInfo(io.ComfyNode):
         panel = {"summary": summary.to_json(), "line": None, "blocks": None, "problems": []}
         coverage_text = "{}"
         if model is not None or clip is not None:
-            _patches, report = map_file(load_cached(path), model, clip, reference=False)
+            _patches, report = map_file(cache.load_cached(path), model, clip, reference=False)
             blocks = block_changes(report, roots_of(model, clip), {"model": strength, "clip": strength})
             panel = payload(path, report, blocks)
             coverage_text = json.dumps({k: v for k, v in panel.items() if k != "summary"}, indent=1)
-        return io.NodeOutput(summary.text(), ", ".join(summary.trigger_words), coverage_text,
-                             ui={"lycoris": [panel]})
+        cache_stats = cache.stats()  # after load_cached, so a file read by this run is counted
+        return io.NodeOutput(f"{summary.text()}\n{cache_stats.line()}", ", ".join(summary.trigger_words),
+                             coverage_text, ui={"lycoris": [panel], "cache": [cache_stats.to_json()]})
