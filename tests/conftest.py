@@ -21,3 +21,21 @@ import_pack()  # so test modules can `from lycoris_nodes... import` at module le
 def pack():
     """The pack imported the way ComfyUI imports it (package `lycoris_nodes`)."""
     return import_pack()
+
+
+@pytest.fixture(scope="session")
+def reference_files(tmp_path_factory):
+    """Reference-made files and their truth, one per factory variant, generated on first use and shared by every
+    test module (generation is the slow part of the reference tables)."""
+    from reference.lycoris_factory import BY_ID, Lazy, generate
+
+    directory = tmp_path_factory.mktemp("lycoris_reference")
+    return Lazy(lambda variant_id: generate(BY_ID[variant_id], directory))
+
+
+@pytest.fixture(scope="session")
+def bases():
+    """The factory's base parameters rounded to each dtype."""
+    from reference.lycoris_factory import Lazy, base_params
+
+    return Lazy(base_params)

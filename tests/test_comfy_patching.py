@@ -50,10 +50,7 @@ from reference.lycoris_factory import (
     LAYERS,
     STRENGTHS,
     VARIANTS,
-    Lazy,
-    base_params,
     functional_forward,
-    generate,
     magnitude_forward,
     probe,
 )
@@ -75,17 +72,6 @@ REFERENCE_STRENGTHS = (0.5, 0.0)
 TABLE = list(SUBSET) if os.environ.get("LYCORIS_TABLE") == "subset" else [v.id for v in VARIANTS]
 
 
-
-
-@pytest.fixture(scope="module")
-def reference_files(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("comfy_patching_reference")
-    return Lazy(lambda variant_id: generate(BY_ID[variant_id], directory))
-
-
-@pytest.fixture(scope="module")
-def bases():
-    return Lazy(base_params)
 
 
 def _rounding(dtype: torch.dtype, stochastic: bool) -> tuple[float, float]:

@@ -30,9 +30,7 @@ from reference.lycoris_factory import (
     STRENGTHS,
     VARIANTS,
     Lazy,
-    base_params,
     functional_forward,
-    generate,
     layer_for,
     magnitude_forward,
     probe,
@@ -77,19 +75,8 @@ def _one_thread():
 
 
 @pytest.fixture(scope="session")
-def reference_files(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("lycoris_reference")
-    return Lazy(lambda variant_id: generate(BY_ID[variant_id], directory))
-
-
-@pytest.fixture(scope="session")
 def loaded(reference_files):
     return Lazy(lambda variant_id: lycoris_core.load(reference_files[variant_id].path))
-
-
-@pytest.fixture(scope="session")
-def bases():
-    return Lazy(base_params)
 
 
 def modules_by_layer(lycoris_file: lycoris_core.LycorisFile) -> dict[str, list]:

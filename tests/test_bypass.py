@@ -1,0 +1,244 @@
+"""Bypass mode against the reference, layer by layer, through a REAL ComfyUI `ModelPatcher` and its injections.
+
+Files and truth come from `reference.lycoris_factory` (lycoris-lora 4.1.3 files; truth = its forward pass on the
+same rounded base weights). The factory's tiny model is rebuilt from `comfy.ops` layers holding the base weights in
+each dtype (fp32, bf16, and fp8 as ComfyUI's scaled-fp8 Linear / plain fp8 conv), patched with
+`patched_clone(..., apply_mode="bypass")` and loaded with `patch_model` (which injects).
+
+Checked for every variant, dtype and strength:
+* every Linear/Conv weight target is bypassed, and every weight stays bit-identical while bypass is active;
+* each layer's real forward on the fp32 probe equals the reference within fp32 error: ‖y − truth‖ ≤ 1e-4·‖change‖
+  plus float32 noise. Bypass keeps the stored weight exact and adds the change in fp32, so even on bf16/fp8 storage it
+  is as exact as fp32 (a merge would round W' to the storage dtype). Only merged biases (Full's diff_b) add their
+  own rounding, bounded separately;
+* fp32: bypass equals a fp32 merge of the same patches;
+* ejecting (detach) gives every layer its own forward back, outputs bit-identical to the unpatched layer.
+And: ComfyUI's own quantized layer (mixed_precision_ops, QuantizedTensor fp8) bypassed equals merging into a float
+copy; bf16 activations (as on a GPU) stay within the error a bf16 merge has; auto picks bypass only off plain floats.
+"""
+
+import os
+
+import comfy.ops
+import pytest
+import torch
+from comfy.quant_ops import QuantizedTensor
+from lycoris_nodes.lycoris_core import load
+from lycoris_nodes.nodes.apply import patched_clone
+from patcher_util import (
+    FACTORY_KEY_MAP,
+    assert_bit_identical,
+    factory_model,
+    forward_params,
+    full_load,
+    lycoris_patches,
+    offload,
+    patcher,
+    snapshot,
+)
+from reference.lycoris_factory import LAYER, VARIANTS, functional_forward, probe
+
+# Bypass never rounds the stored weight, so one 16-bit and one fp8 storage dtype cover the cast paths (fp16 and e5m2
+# differ from bf16 and e4m3 only in the values the stored weight can hold, which the truth already reflects).
+BASE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+STRENGTHS = (1.0, 0.5, -1.0)
+REFERENCE_STRENGTHS = (0.5, 0.0)
+CHANGE_TOLERANCE = 1e-4  # ‖error‖ / ‖truth − y_base‖, as for fp32 merges in test_comfy_patching.py
+NOISE = 1e-6  # float32 forward noise, relative to ‖y_base‖
+SUBSET = ("locon", "locon_tucker", "loha_tucker", "lokr_tucker", "locon_dora_out", "loha_dora_in", "glora",
+          "ia3_on_input", "oft_rescaled", "boft_constraint", "full", "norm")
+TABLE = list(SUBSET) if os.environ.get("LYCORIS_TABLE") == "subset" else [v.id for v in VARIANTS]
+
+
+def weight_layers(variant) -> list[str]:
+    return [name for name in variant.layers if LAYER[name].kind != "norm"]
+
+
+def bias_rounding(layer, x: torch.Tensor, patched_bias: bool) -> float:
+    """The largest output error a merged bias can add: half an ulp of the bias in its storage dtype."""
+    if not patched_bias or layer.bias is None or layer.bias.dtype == torch.float32:
+        return 0.0
+    _, bias = forward_params(layer, x)
+    return float(bias.abs().max()) * torch.finfo(layer.bias.dtype).eps
+
+
+def assert_close_to_truth(y: torch.Tensor, truth: torch.Tensor, y_base: torch.Tensor, slack: float, what: str):
+    error = float((y - truth).norm())
+    allowed = CHANGE_TOLERANCE * float((truth - y_base).norm()) + NOISE * float(y_base.norm()) + slack * y.numel() ** .5
+    assert error <= allowed, f"{what}: ‖error‖ {error:.3g} > {allowed:.3g}"
+
+
+def _cases():
+    for variant_id in TABLE:
+        for dtype in BASE_DTYPES:
+            yield pytest.param(variant_id, dtype, id=f"{variant_id}-{str(dtype).removeprefix('torch.')}")
+
+
+@pytest.mark.parametrize("variant_id,dtype", list(_cases()))
+def test_bypass_matches_reference(reference_files, bases, variant_id, dtype):
+    generated = reference_files[variant_id]
+    variant = generated.variant
+    lfile = load(generated.path)
+    net = factory_model(bases[dtype], dtype)
+    saved = snapshot(net)
+    base = patcher(net)
+    own = {name: getattr(net, name)(probe(name).float()) for name in weight_layers(variant)}
+    for semantics in ("linear", "reference") if variant.reference_semantics else ("linear",):
+        reference = semantics == "reference"
+        patches, report = lycoris_patches(lfile, net, FACTORY_KEY_MAP, reference=reference)
+        assert not report.problems, report.details()
+        weight_targets = {k for k in patches if k.endswith(".weight") and LAYER[k.split(".")[0]].kind != "norm"}
+        for strength in REFERENCE_STRENGTHS if reference else STRENGTHS:
+            what = f"{semantics} m={strength:+g}"
+            merged = merged_outputs(base, patches, strength, weight_layers(variant)) if dtype == torch.float32 else {}
+            clone, bypassed = patched_clone(base, patches, strength, apply_mode="bypass", key="test")
+            assert bypassed == len(weight_targets), what
+            full_load(clone)
+            for name in weight_layers(variant):
+                layer = getattr(net, name)
+                assert torch.equal(layer.weight.view(torch.uint8), saved[f"{name}.weight"].view(torch.uint8)), name
+                x = probe(name).float()
+                y = layer(x).double()
+                slack = bias_rounding(layer, x, f"{name}.bias" in patches)
+                truth = generated.truth(dtype, strength, reference)[name]
+                assert_close_to_truth(y, truth, generated.y_base[dtype][name], slack, f"{what} {name}")
+                if name in merged:
+                    assert_close_to_truth(y, merged[name], generated.y_base[dtype][name], 0.0, f"{what} {name} vs merge")
+            clone.detach()
+            for name, y_own in own.items():
+                layer = getattr(net, name)
+                assert "forward" not in vars(layer) and "_lycoris_bypass" not in vars(layer), name
+                assert torch.equal(layer(probe(name).float()), y_own), f"{name} not restored"
+            assert_bit_identical(net, saved)
+
+
+def merged_outputs(base, patches, strength, names) -> dict[str, torch.Tensor]:
+    """Each layer's output on its probe, in float64, with the parameters a fp32 merge of the same patches gives."""
+    clone, bypassed = patched_clone(base, patches, strength, apply_mode="merge")
+    assert bypassed == 0
+    full_load(clone)
+    outputs = {}
+    for name in names:
+        x = probe(name).float()
+        weight, bias = (None if t is None else t.double() for t in forward_params(getattr(base.model, name), x))
+        outputs[name] = functional_forward(name, x.double(), weight, bias)
+    clone.unpatch_model(base.offload_device)
+    return outputs
+
+
+def test_offloaded_bypass_matches_reference(reference_files, bases):
+    """Weights kept offloaded (LowVramPatch path for merged biases) and bypassed weights: same truth."""
+    generated = reference_files["full"]  # weight diffs bypassed, diff_b merged through LowVramPatch
+    net = factory_model(bases[torch.float32], torch.float32)
+    patches, _ = lycoris_patches(load(generated.path), net, FACTORY_KEY_MAP)
+    clone, bypassed = patched_clone(patcher(net), patches, 0.5, apply_mode="bypass")
+    assert bypassed > 0
+    offload(clone)
+    for name in weight_layers(generated.variant):
+        y = getattr(net, name)(probe(name).float()).double()
+        assert_close_to_truth(y, generated.truth(torch.float32, 0.5, False)[name],
+                              generated.y_base[torch.float32][name], 0.0, name)
+    clone.detach()
+
+
+@pytest.mark.parametrize("variant_id", ["locon", "loha", "lokr", "locon_dora_out", "glora", "oft_rescaled"])
+def test_bf16_activations_within_bf16_merge_error(reference_files, bases, variant_id):
+    """With bf16 activations (a GPU run), bypass computes in bf16 like the layer; its error stays within a small
+    multiple of what a bf16 merge (LowVramPatch computes in the activation dtype) already has."""
+    generated = reference_files[variant_id]
+    net = factory_model(bases[torch.bfloat16], torch.bfloat16)
+    base = patcher(net)
+    patches, _ = lycoris_patches(load(generated.path), net, FACTORY_KEY_MAP)
+    truth = generated.truth(torch.bfloat16, 1.0, False)
+    errors = {}
+    for mode, load_with in (("bypass", full_load), ("merge", offload)):
+        clone, _ = patched_clone(base, patches, 1.0, apply_mode=mode)
+        load_with(clone)
+        errors[mode] = {name: float((getattr(net, name)(probe(name).bfloat16()).double() - truth[name]).norm())
+                        for name in weight_layers(generated.variant)}
+        clone.detach()
+        clone.unpatch_model(base.offload_device)
+    for name, bypass_error in errors["bypass"].items():
+        scale = float(truth[name].norm())
+        assert bypass_error <= 3 * errors["merge"][name] + 1e-3 * scale, (name, bypass_error, errors["merge"][name])
+
+
+def quantized_net(weight: torch.Tensor, bias: torch.Tensor) -> torch.nn.Module:
+    """A model whose `linear_b` is ComfyUI's own quantized Linear (mixed_precision_ops: a QuantizedTensor in the
+    TensorCoreFP8 layout, scale 1, so it dequantizes to the fp8 base weights exactly)."""
+    ops = comfy.ops.mixed_precision_ops({"linear_b": {"format": "float8_e4m3fn"}}, compute_dtype=torch.float32)
+    net = torch.nn.Module()
+    net.add_module("linear_b", ops.Linear(weight.shape[1], weight.shape[0], bias=True))
+    net.load_state_dict({"linear_b.weight": weight.to(torch.float8_e4m3fn), "linear_b.weight_scale": torch.tensor(1.0),
+                         "linear_b.bias": bias.float()}, strict=False)
+    return net.requires_grad_(False)
+
+
+@pytest.mark.parametrize("variant_id", ["locon", "loha", "lokr", "locon_dora_out", "glora", "ia3_on_input",
+                                        "oft_rescaled", "boft_constraint"])
+@pytest.mark.parametrize("mode", ["bypass", "auto"])
+def test_comfy_quantized_layer(reference_files, bases, variant_id, mode):
+    """On a QuantizedTensor weight, bypass (chosen by auto too) equals merging into a float copy of that weight."""
+    generated = reference_files[variant_id]
+    if "linear_b" not in generated.variant.layers:
+        pytest.skip(f"{variant_id} has no linear_b layer")
+    params = bases[torch.float8_e4m3fn]["linear_b"]
+    net = quantized_net(params["weight"], params["bias"])
+    assert isinstance(net.linear_b.weight, QuantizedTensor)
+    patches, _ = lycoris_patches(load(generated.path), net, {k: v for k, v in FACTORY_KEY_MAP.items()
+                                                            if v == "linear_b.weight"})
+    clone, bypassed = patched_clone(patcher(net), patches, 0.5, apply_mode=mode)
+    assert bypassed == 1
+    full_load(clone)
+    x = probe("linear_b").float()
+    y = net.linear_b(x).double()
+    assert isinstance(net.linear_b.weight, QuantizedTensor)  # untouched: still the quantized tensor
+    # merging into a float copy: the same file on a plain fp32 Linear holding the dequantized weight
+    float_net = torch.nn.Module()
+    float_net.add_module("linear_b", comfy.ops.disable_weight_init.Linear(64, 96, dtype=torch.float32))
+    float_net.linear_b.weight = torch.nn.Parameter(params["weight"].float(), requires_grad=False)
+    float_net.linear_b.bias = torch.nn.Parameter(params["bias"].float(), requires_grad=False)
+    float_patches, _ = lycoris_patches(load(generated.path), float_net, {k: v for k, v in FACTORY_KEY_MAP.items()
+                                                                        if v == "linear_b.weight"})
+    merged, _ = patched_clone(patcher(float_net), float_patches, 0.5, apply_mode="merge")
+    full_load(merged)
+    y_merge = float_net.linear_b(x).double()
+    truth = generated.truth(torch.float8_e4m3fn, 0.5, False)["linear_b"]
+    y_base = generated.y_base[torch.float8_e4m3fn]["linear_b"]
+    assert_close_to_truth(y, y_merge, y_base, 0.0, "bypass vs float merge")
+    assert_close_to_truth(y, truth, y_base, 0.0, "bypass vs reference")
+    clone.detach()
+
+
+@pytest.mark.parametrize("dtype,expected", [(torch.float32, False), (torch.bfloat16, False),
+                                            (torch.float8_e4m3fn, True)])
+def test_auto_bypasses_only_non_float_weights(reference_files, bases, dtype, expected):
+    generated = reference_files["locon"]
+    net = factory_model(bases[dtype], dtype)
+    patches, _ = lycoris_patches(load(generated.path), net, FACTORY_KEY_MAP)
+    clone, bypassed = patched_clone(patcher(net), patches, 1.0, apply_mode="auto")
+    targets = len(weight_layers(generated.variant))
+    assert (bypassed, len(clone.patches)) == ((targets, 0) if expected else (0, targets))
+
+
+def test_stacked_bypass_in_order_equals_chained_merge(reference_files, bases):
+    """Two files on the same layers, each with its own key: bypass applies them in order like chained merges do,
+    including a change that depends on W (GLoRA after LoCon sees W + ΔW_locon)."""
+    first, second = reference_files["locon"], reference_files["glora"]
+    net = factory_model(bases[torch.float32], torch.float32)
+    base = patcher(net)
+    p1, _ = lycoris_patches(load(first.path), net, FACTORY_KEY_MAP)
+    p2, _ = lycoris_patches(load(second.path), net, FACTORY_KEY_MAP)
+    layers = [n for n in weight_layers(second.variant) if n in first.variant.layers]
+    outputs = {}
+    for mode in ("merge", "bypass"):
+        one, _ = patched_clone(base, p1, 1.0, apply_mode=mode, key="one")
+        two, _ = patched_clone(one, p2, 0.5, apply_mode=mode, key="two")
+        full_load(two)
+        outputs[mode] = {n: getattr(net, n)(probe(n).float()).double() for n in layers}
+        two.detach()
+        two.unpatch_model(base.offload_device)
+    for n in layers:
+        y_base = second.y_base[torch.float32][n]
+        assert not torch.allclose(outputs["merge"][n], y_base)
+        assert_close_to_truth(outputs["bypass"][n], outputs["merge"][n], y_base, 0.0, n)
