@@ -32,6 +32,7 @@ EXPECTED = {  # the examples this file checks in detail; any other json is still
     "lycoris_stack.json",
     "lycoris_schedule.json",
     "lycoris_info.json",
+    "lycoris_bypass.json",
 }
 
 
@@ -206,6 +207,20 @@ def test_info_example_feeds_the_trigger_words_into_the_prompt(example):
     assert any(json.loads(t).get("applied") == 65 for t in texts if t.startswith("{")), texts
     # "lycodemo" + ", " + the rest is the loader example's prompt, with the same file, seed and sampler settings.
     assert np.array_equal(ran.pixels, example("lycoris_loader.json").pixels)
+
+
+def test_bypass_example_matches_the_merged_loader(server, example):
+    """The loader example in bypass mode: the same file applied in the layers' forward, weights untouched, gives the
+    merged example's image (fp32 on the CPU: equal up to a rounding step of the 8-bit output)."""
+    ran = example("lycoris_bypass.json")
+    loader = only(ran.prompt, "LycorisLoader")
+    assert ran.prompt[loader]["inputs"]["apply_mode"] == "bypass"
+    (payload,) = ran.entry["outputs"][loader]["lycoris"]
+    assert payload["bypassed"] > 0 and "in bypass" in payload["line"]
+    merged = example("lycoris_loader.json").pixels.astype(int)
+    assert np.abs(ran.pixels.astype(int) - merged).max() <= 2
+    unpatched = pixels(server, changed(ran.prompt, "LycorisLoader", strength_model=0.0, strength_clip=0.0)).astype(int)
+    assert np.abs(unpatched - merged).max() > 20, "the file hardly changes the image: the comparison proves nothing"
 
 
 def test_no_unloaded_keys_in_the_server_log(server, example):
