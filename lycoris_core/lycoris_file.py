@@ -5,7 +5,7 @@ ComfyUI does not roll back a patch that raises half-way, and clones share one mo
 """
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -54,20 +54,25 @@ def group_keys(state_dict: Mapping[str, torch.Tensor], file: str | None = None
     return groups, unknown
 
 
-def check_values(state_dict: Mapping[str, torch.Tensor], file: str | None = None) -> None:
-    """NaN or Inf anywhere would poison the whole weight it patches; refuse the file and say where."""
+def check_values(state_dict: Mapping[str, torch.Tensor], file: str | None = None,
+                 checked: Callable[[torch.Tensor], None] | None = None) -> None:
+    """NaN or Inf anywhere would poison the whole weight it patches; refuse the file and say where.
+    `checked(tensor)` is called after each tensor passes (the reader releases its pages there)."""
     for key, tensor in state_dict.items():
         if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
             raise LycorisError(f"{bad} of {tensor.numel()} values are NaN or Inf; the file is damaged", file=file,
                                key=key)
+        if checked is not None:
+            checked(tensor)
 
 
 def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state dict>",
-                     metadata: Mapping[str, str] | None = None) -> LycorisFile:
+                     metadata: Mapping[str, str] | None = None,
+                     checked: Callable[[torch.Tensor], None] | None = None) -> LycorisFile:
     if not state_dict:
         raise LycorisError("the file holds no tensors", file=name)
-    check_values(state_dict, name)
+    check_values(state_dict, name, checked)
     groups, unused = group_keys(state_dict, name)
     modules: dict[str, Module] = {}
     for prefix, group in groups.items():
@@ -85,4 +90,4 @@ def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state
 def load(path: str | os.PathLike) -> LycorisFile:
     """Read and check a .safetensors file (memory-mapped; tensors stay views of the file until patched)."""
     reader = SafetensorsFile(path)
-    return parse_state_dict(reader.tensors(), reader.name, reader.metadata)
+    return parse_state_dict(reader.tensors(), reader.name, reader.metadata, checked=reader.release)

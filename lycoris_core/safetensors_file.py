@@ -135,3 +135,17 @@ class SafetensorsFile:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {key: self.tensor(key) for key in self.entries}
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Let the OS take back the pages of a tensor of this map once it has been read (checked at load): they
+        leave this process's resident memory but stay in the page cache, and the next read faults them back in
+        from the file. The map is private and never written, so the data cannot change."""
+        if self._map is None or not hasattr(self._map, "madvise") or tensor.numel() == 0:
+            return
+        base = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr()
+        start = tensor.data_ptr() - base
+        end = start + tensor.numel() * tensor.element_size()
+        if start < 0 or end > len(self._map):
+            return  # not a view of this map (a misaligned tensor's copy, or a tensor a converter replaced)
+        first_page = start - start % mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, first_page, end - first_page)

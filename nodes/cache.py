@@ -116,7 +116,8 @@ def read(path: str | os.PathLike) -> LycorisFile:
     """Parse and check a file, after ComfyUI's own renames for special formats (BFL control, Wan-Fun, USO)."""
     reader = SafetensorsFile(path)
     state_dict = comfy.lora_convert.convert_lora(reader.tensors())
-    return parse_state_dict(state_dict, reader.name, reader.metadata)
+    # Each tensor's pages are released once checked: a file in the cache costs page cache, not resident memory.
+    return parse_state_dict(state_dict, reader.name, reader.metadata, checked=reader.release)
 
 
 def _total_locked() -> int:
