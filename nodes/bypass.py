@@ -41,11 +41,20 @@ def is_plain_float(weight: torch.Tensor) -> bool:
 
 
 def float_weight(layer: torch.nn.Module, device: torch.device) -> torch.Tensor:
-    """The layer's weight as fp32 on `device`: dequantized (QuantizedTensor) or unscaled (scaled fp8), the way
-    ComfyUI's own patching reads it (the op's convert_weight)."""
+    """The layer's weight as fp32 on `device`, as its forward runs it: with ComfyUI's per-forward weight functions
+    applied (an offloaded layer's LowVramPatch carries the patches merged before this adapter, which a merge would
+    have put in the weight), dequantized (QuantizedTensor) or unscaled (scaled fp8), the way ComfyUI's own patching
+    reads it (the op's convert_weight)."""
     weight = layer.weight
     if isinstance(weight, QuantizedTensor):
         weight = weight.dequantize()
+    functions = getattr(layer, "weight_function", None)
+    if functions:  # as comfy.ops.cast_bias_weight: on a copy, the functions may work in place
+        weight = weight.to(device=device, dtype=torch.float32, copy=True)
+        for function in functions:
+            weight = function(weight)
+        if isinstance(weight, QuantizedTensor):
+            weight = weight.dequantize()
     convert = getattr(layer, "convert_weight", None)
     if convert is not None:
         weight = convert(weight, inplace=False)
