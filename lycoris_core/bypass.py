@@ -66,7 +66,7 @@ class Contribution:
 
     @property
     def reads_weight(self) -> bool:
-        return self.plan.dora_axis is not None or self.plan.algorithm in READS_WEIGHT
+        return reads_weight(self.plan)
 
     def rows_of(self, weight: torch.Tensor) -> torch.Tensor:
         return weight if self.rows is None else weight.narrow(0, *self.rows)
@@ -137,6 +137,11 @@ def forward(x: torch.Tensor, y: torch.Tensor, op: LayerOp, contributions: list[C
             d = c.change_from_factors(rows_shape, x.device)
         y = _add(y, op(x, cast(d, x.device, x.dtype)), c.rows, op.channel_dim)
     return y
+
+
+def reads_weight(plan: Plan) -> bool:
+    """Whether this plan's change depends on the weight it is applied to."""
+    return plan.dora_axis is not None or plan.algorithm in READS_WEIGHT
 
 
 def is_bypassable(plan: Plan) -> bool:

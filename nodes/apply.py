@@ -16,7 +16,7 @@ from ..lycoris_core import LycorisError, LycorisFile, Module, Plan
 from ..lycoris_core.block_weights import BlockWeights
 from ..lycoris_core.summary import declared_family, family_id, infer_family
 from .adapter import LycorisAdapter
-from .bypass import contribution, injection, wants_bypass
+from .bypass import bypassed_layers, contribution, injection, wants_bypass
 
 log = logging.getLogger("lycoris_nodes")
 
@@ -280,8 +280,9 @@ def patched_clone(target, patches: dict, strength: float, weights: BlockWeights 
     patched = target.clone()
     patcher = getattr(patched, "patcher", patched)  # a CLIP keeps its ModelPatcher in .patcher
     refused, bypassed = [], []
+    before = bypassed_layers(patcher)
     for weight, group in by_block_weight(patches, weights or BlockWeights()).items():
-        to_bypass = {k for k, a in group.items() if wants_bypass(apply_mode, patcher.model, k, a.plan)}
+        to_bypass = {k for k, a in group.items() if wants_bypass(apply_mode, patcher.model, k, a.plan, before)}
         bypassed += [(k if isinstance(k, str) else k[0], contribution(group[k], k, strength * weight))
                      for k in group if k in to_bypass]
         to_merge = {k: a for k, a in group.items() if k not in to_bypass}

@@ -14,7 +14,7 @@ import torch
 from comfy.patcher_extension import PatcherInjection
 from comfy.quant_ops import QuantizedTensor
 
-from ..lycoris_core.bypass import Contribution, LayerOp, forward, is_bypassable
+from ..lycoris_core.bypass import Contribution, LayerOp, forward, is_bypassable, reads_weight
 from ..lycoris_core.casting import cast
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -34,10 +34,21 @@ def layer_op(layer: torch.nn.Module) -> LayerOp | None:
     return None
 
 
+def _data(weight: torch.Tensor) -> torch.Tensor:
+    return weight.data if isinstance(weight, torch.nn.Parameter) else weight
+
+
 def is_plain_float(weight: torch.Tensor) -> bool:
     """A weight a merge can patch without loss: an ordinary fp32/fp16/bf16/fp64 tensor."""
-    data = weight.data if isinstance(weight, torch.nn.Parameter) else weight
+    data = _data(weight)
     return type(data) is torch.Tensor and data.dtype in FLOAT_DTYPES
+
+
+def is_readable(weight: torch.Tensor) -> bool:
+    """A weight `float_weight` can read: an ordinary tensor of any float dtype (fp8 included) or ComfyUI's
+    QuantizedTensor. Other tensor types (GGUF's) hold packed blocks only their own ops can decode."""
+    data = _data(weight)
+    return isinstance(data, QuantizedTensor) or (type(data) is torch.Tensor and data.is_floating_point())
 
 
 def float_weight(layer: torch.nn.Module, device: torch.device) -> torch.Tensor:
@@ -114,23 +125,37 @@ def injection(key: str, entries: list[tuple[str, Contribution]]) -> PatcherInjec
             if bypass is not None:
                 bypass.remove((key, i), contribution)
 
-    return PatcherInjection(inject, eject)
+    bypass = PatcherInjection(inject, eject)
+    bypass.lycoris_layers = frozenset(weight_key for weight_key, _ in entries)
+    return bypass
 
 
-def wants_bypass(mode: str, root: torch.nn.Module, patch_key, plan) -> bool:
-    """Whether this target is bypassed under `mode`: never in merge; in bypass, every Linear/Conv weight (whole
-    or a row slice of a fused weight); in auto, those whose weight is not plain float (fp8, quantized, GGUF)."""
-    if mode == "merge" or not is_bypassable(plan):
-        return False
+def bypassed_layers(patcher) -> frozenset[str]:
+    """The weight keys our bypass injections already on this patcher act on."""
+    return frozenset().union(*(getattr(injection, "lycoris_layers", ()) for injections in patcher.injections.values()
+                               for injection in injections))
+
+
+def wants_bypass(mode: str, root: torch.nn.Module, patch_key, plan, bypassed_before: frozenset[str] = frozenset()
+                 ) -> bool:
+    """Whether this target is bypassed: in bypass mode, every Linear/Conv weight (whole or a row slice of a fused
+    weight); in auto, those whose weight is not plain float (fp8, quantized, GGUF); in merge, none, except a change
+    that reads W on a layer an earlier file bypasses: merged, it would not see that file's change (the weight does
+    not hold it), so it runs after it in the forward instead, as chained merges would order them."""
     key = patch_key if isinstance(patch_key, str) else patch_key[0]
-    if not key.endswith(".weight"):
+    if not is_bypassable(plan) or not key.endswith(".weight"):
         return False
     if not isinstance(patch_key, str) and (patch_key[1][0] != 0 or len(patch_key) > 2):
         return False  # only output-row slices map onto output channels; a convert function needs the weight
     layer = _layer(root, key)
     if layer_op(layer) is None:
         return False
-    return mode == "bypass" or not is_plain_float(layer.weight)
+    if reads_weight(plan):
+        if not is_readable(layer.weight):
+            return False  # ComfyUI's (or the GGUF pack's) own patching decodes that weight; we cannot
+        if key in bypassed_before:
+            return True
+    return mode == "bypass" or (mode == "auto" and not is_plain_float(layer.weight))
 
 
 def contribution(adapter, patch_key, strength: float) -> Contribution:

@@ -242,3 +242,41 @@ def test_stacked_bypass_in_order_equals_chained_merge(reference_files, bases):
         y_base = second.y_base[torch.float32][n]
         assert not torch.allclose(outputs["merge"][n], y_base)
         assert_close_to_truth(outputs["bypass"][n], outputs["merge"][n], y_base, 0.0, n)
+
+
+def test_weight_reader_merged_after_a_bypassed_file_runs_after_it(reference_files, bases):
+    """A file whose change reads W, merged after a bypassed file on the same layers, could not see that file's change
+    in the weight; it is bypassed too (kept in order), so the result is still the two chained merges."""
+    first, second = reference_files["locon"], reference_files["glora"]
+    net = factory_model(bases[torch.float32], torch.float32)
+    base = patcher(net)
+    p1, _ = lycoris_patches(load(first.path), net, FACTORY_KEY_MAP)
+    p2, _ = lycoris_patches(load(second.path), net, FACTORY_KEY_MAP)
+    layers = [n for n in weight_layers(second.variant) if n in first.variant.layers]
+    outputs = {}
+    for first_mode in ("merge", "bypass"):
+        one, _ = patched_clone(base, p1, 1.0, apply_mode=first_mode, key="one")
+        two, bypassed = patched_clone(one, p2, 0.5, apply_mode="merge", key="two")
+        assert bypassed == (len(layers) if first_mode == "bypass" else 0)
+        full_load(two)
+        outputs[first_mode] = {n: getattr(net, n)(probe(n).float()).double() for n in layers}
+        two.detach()
+        two.unpatch_model(base.offload_device)
+    for n in layers:
+        assert_close_to_truth(outputs["bypass"][n], outputs["merge"][n], second.y_base[torch.float32][n], 0.0, n)
+
+
+class PackedTensor(torch.Tensor):
+    """Stands for a weight type only its own ops can decode (GGUF's GGMLTensor)."""
+
+
+@pytest.mark.parametrize("variant_id,expected", [("locon", True), ("locon_dora_out", False), ("oft_rescaled", False)])
+def test_unreadable_weight_bypasses_only_what_needs_no_weight(reference_files, bases, variant_id, expected):
+    from lycoris_nodes.nodes.bypass import wants_bypass
+
+    generated = reference_files[variant_id]
+    net = factory_model(bases[torch.float32], torch.float32)
+    patches, _ = lycoris_patches(load(generated.path), net, FACTORY_KEY_MAP)
+    net.linear_b.weight = torch.nn.Parameter(net.linear_b.weight.data.as_subclass(PackedTensor), requires_grad=False)
+    assert wants_bypass("auto", net, "linear_b.weight", patches["linear_b.weight"].plan) is expected
+    assert wants_bypass("bypass", net, "linear_b.weight", patches["linear_b.weight"].plan) is expected
