@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_FLAGS ?=
 
-.PHONY: setup test demo lint
+.PHONY: setup test demo lint bench
 
 setup:
 	bash scripts/setup.sh
@@ -17,3 +17,7 @@ demo: setup
 
 lint: setup
 	$(PY) -m ruff check .
+
+# Issue #5 benchmark (not a test): `make bench QUICK=1` is the under-5-minute version.
+bench: setup
+	$(PY) bench/run.py $(if $(QUICK),--quick,)

@@ -1,0 +1,512 @@
+"""Issue #5: ComfyUI's built-in LoRA path and ours on identical files and weights, in one process and one run.
+
+    python bench/run.py            # everything (SD1.5 and SDXL sizes), about 20 minutes on 2 cores
+    python bench/run.py --quick    # SD1.5 sizes, 10 layers, a smaller file: under 5 minutes on 2 cores
+    python bench/run.py --rows 1,5 # only some rows
+
+Every row prints one line ending in `ours=<v> builtin=<v> ratio=<ours/builtin> goal=<goal>` (seconds, or bytes for
+memory), preceded by MET / MISSED (REPORT for rows without a goal). The table goes to bench/results.md
+(bench/results-quick.md for --quick). Not a test: `make test` never runs it.
+"""
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+from harness import ADAPTER_ERRORS, BENCH, Row, median, timed  # isort: skip (first: it sets up ComfyUI in CPU mode)
+
+import adapter_files as files
+import comfy.lora
+import comfy.model_management
+import comfy.model_patcher
+import comfy.ops
+import comfy.sd
+import comfy.supported_models
+import torch
+import unet_shapes
+from lycoris_nodes.lycoris_core import parse_state_dict
+from lycoris_nodes.nodes.apply import apply_file, build_patches
+
+CPU = torch.device("cpu")
+FP16 = torch.float16
+SETTINGS = {
+    # merge models and every how many-th of their weights, repeats, layers of the small model, tokens per forward,
+    # model and LoCon rank of the load file
+    "full": {"merge_models": ("sd15", "sdxl"), "merge_stride": 1, "repeats": 3, "layers": 50, "tokens": 256,
+             "load_model": "sdxl", "load_rank": 160},
+    "quick": {"merge_models": ("sd15",), "merge_stride": 3, "repeats": 3, "layers": 10, "tokens": 128,
+              "load_model": "sd15", "load_rank": 128},
+}
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (user + system, all threads)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@contextmanager
+def section(name: str, spent: dict):
+    """Log a part's wall and CPU time, and the load average: this machine may be shared, which slows every path."""
+    wall, cpu = time.perf_counter(), cpu_seconds()
+    yield
+    spent[name] = (time.perf_counter() - wall, cpu_seconds() - cpu)
+    log(f"[{name}: {spent[name][0]:.0f} s wall, {spent[name][1]:.0f} s CPU, "
+        f"1-min load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs]")
+
+
+def our_patches(sd: dict, name: str, key_map: dict, shapes: dict) -> dict:
+    patches, report = build_patches(parse_state_dict(sd, name), key_map, {"model": shapes}, reference=False)
+    if report.problems or report.unused_keys:
+        raise RuntimeError(f"{name}: not fully applied: {report.details()}")
+    return patches["model"]
+
+
+def builtin_patches(sd: dict, key_map: dict) -> dict:
+    return comfy.lora.load_lora(sd, key_map)
+
+
+class Weights:
+    """Random fp16 weights: every weight is a view of the start of one shared random pool (its values do not change
+    the work), so an SDXL-size model costs one layer's memory."""
+
+    def __init__(self, shapes, seed: int = 1):
+        largest = max(math.prod(s) for s in shapes)
+        gen = torch.Generator().manual_seed(seed)
+        self.pool = (torch.randn(largest, generator=gen) * 0.02).to(FP16)
+
+    def original(self, shape) -> torch.Tensor:
+        return self.pool[: math.prod(shape)].view(shape)
+
+
+# ---- machine floor ----------------------------------------------------------------------------------------------
+
+def measure_machine() -> dict:
+    """Copy bandwidth (bytes read + written per second, 256 MB fp32) and fp32 matmul throughput (3072², the size
+    of ComfyUI's large layers)."""
+    src = torch.randn(64 * 2**20)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_s = median(timed(lambda: dst.copy_(src)) for _ in range(7))
+    n = 3072
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    mm_s = median(timed(lambda: a @ b) for _ in range(5))
+    return {"bandwidth": 2 * src.numel() * 4 / copy_s, "flops": 2 * n**3 / mm_s}
+
+
+# ---- row 1: merge ------------------------------------------------------------------------------------------------
+
+def calc(patch, weight: torch.Tensor, key: str) -> torch.Tensor:
+    """The per-key work of ModelPatcher.patch_weight_to_device: calculate_weight on ComfyUI's fp32 copy."""
+    return comfy.lora.calculate_weight([(1.0, patch, 1.0, None, None)], weight, key)
+
+
+def merge_pass(patches: dict, shapes: dict, weights: Weights) -> float:
+    total = 0.0
+    for key, shape in shapes.items():
+        temp = weights.original(shape).to(torch.float32, copy=True)  # fresh fp32 copy, outside the timed region
+        start = time.perf_counter()
+        calc(patches[key], temp, key)
+        total += time.perf_counter() - start
+    return total
+
+
+def agreement(builtin: dict, ours: dict, shapes: dict, weights: Weights) -> tuple[float, int]:
+    """(largest ‖ours − builtin‖/‖ours − W‖ over a sample of keys, keys the built-in left unchanged)."""
+    keys = list(shapes)
+    sample = set(keys[:: max(1, len(keys) // 16)]) | {max(keys, key=lambda k: math.prod(shapes[k]))}
+    worst, unchanged = 0.0, 0
+    for key in sample:
+        w = weights.original(shapes[key]).float()
+        b = calc(builtin[key], w.clone(), key)
+        o = calc(ours[key], w.clone(), key)
+        unchanged += int(torch.equal(b, w))
+        worst = max(worst, float((o - b).norm() / (o - w).norm()))
+    return worst, unchanged
+
+
+def failure_note(errors: int, unchanged: int = 0) -> str:
+    if not (errors or unchanged):
+        return ""
+    return (f"; NOT COMPARABLE: the built-in logged {errors} adapter errors and left {unchanged} checked weights "
+            f"unpatched (e.g. '{ADAPTER_ERRORS.first[:120]}')")
+
+
+def by_prefix(sd: dict) -> dict[str, dict]:
+    groups: dict[str, dict] = {}
+    for key, tensor in sd.items():
+        prefix, suffix = key.split(".", 1)
+        groups.setdefault(prefix, {})[suffix] = tensor
+    return groups
+
+
+def merge_rows(model: str, stride: int, repeats: int, machine: dict) -> list[Row]:
+    every = unet_shapes.unet_weights(model)
+    shapes = {k: every[k] for k in list(every)[::stride]}
+    key_map = unet_shapes.key_map(shapes)
+    weights = Weights(shapes.values())
+    rows = []
+    for i, algo in enumerate(files.ALGORITHMS):
+        sd = files.state_dict(algo, shapes, key_map, seed=i)
+        builtin, ours = builtin_patches(sd, key_map), our_patches(sd, f"{algo}.safetensors", key_map, shapes)
+        assert set(builtin) == set(ours) == set(shapes), "both loaders must patch every weight"
+        times = {"builtin": [], "ours": []}
+        errors = ADAPTER_ERRORS.count
+        for _ in range(repeats):
+            times["builtin"].append(merge_pass(builtin, shapes, weights))
+            times["ours"].append(merge_pass(ours, shapes, weights))
+        worst, unchanged = agreement(builtin, ours, shapes, weights)
+        errors = ADAPTER_ERRORS.count - errors
+        floor = 0.0
+        for prefix, tensors in by_prefix(sd).items():
+            moved, flops = files.work(algo, shapes[key_map[prefix]], tensors)
+            floor += max(moved / machine["bandwidth"], flops / machine["flops"])
+        ours_s, builtin_s = median(times["ours"]), median(times["builtin"])
+        subset = "" if stride == 1 else f" of {len(every)}"
+        note = (f"{len(shapes)}{subset} weights, file {files.file_bytes(sd) / 1e6:.0f} MB, floor={floor:.4g}s "
+                f"ours/floor={ours_s / floor:.2f}, ours vs builtin rel.diff {worst:.1e}"
+                + failure_note(errors, unchanged))
+        rows.append(Row(f"merge {model} {algo}", ours_s, builtin_s, "<=0.5,<=2xfloor", 0.5, note=note,
+                        also_ok=ours_s <= 2 * floor, comparable=not (errors or unchanged)))
+        log(rows[-1].line())
+        del sd, builtin, ours
+        gc.collect()
+    return rows
+
+
+# ---- the small model of SDXL-size layers (rows 2-4) -------------------------------------------------------------
+
+def sdxl_layers(count: int) -> dict[str, tuple[int, ...]]:
+    """The first `count` Linear weights of SDXL's middle-block transformer (10 per transformer block)."""
+    shapes = unet_shapes.unet_weights("sdxl")
+    keys = [k for k in shapes if k.startswith("diffusion_model.middle_block.1.transformer_blocks.")
+            and len(shapes[k]) == 2][:count]
+    assert len(keys) == count, f"SDXL has only {len(keys)} such layers"
+    return {k: shapes[k] for k in keys}
+
+
+def layer_model(shapes: dict, weights: Weights) -> torch.nn.Module:
+    """comfy.ops Linear layers (fp16) under their SDXL key names, with an SDXL model_config so ComfyUI's own
+    model_lora_keys_unet (and so load_lora_for_models and our apply_file) work on it as on a real SDXL."""
+    root = torch.nn.Module()
+    for key, (out, inp) in shapes.items():
+        *path, leaf = key.removesuffix(".weight").split(".")
+        parent = root
+        for part in path:
+            if part not in parent._modules:
+                parent.add_module(part, torch.nn.Module())
+            parent = parent._modules[part]
+        layer = comfy.ops.disable_weight_init.Linear(inp, out, bias=True, dtype=FP16)
+        layer.weight = torch.nn.Parameter(weights.original((out, inp)).clone(), requires_grad=False)
+        layer.bias = torch.nn.Parameter(torch.zeros(out, dtype=FP16), requires_grad=False)
+        parent.add_module(leaf, layer)
+    root.model_config = comfy.supported_models.SDXL(unet_shapes.unet_config("sdxl"))
+    return root.requires_grad_(False)
+
+
+def make_inputs(shapes: dict, tokens: int) -> dict[int, torch.Tensor]:
+    """`tokens` rows of fp16 input (like the weights) for each input width."""
+    gen = torch.Generator().manual_seed(2)
+    return {n: torch.randn(tokens, n, generator=gen).to(FP16) for n in sorted({s[1] for s in shapes.values()})}
+
+
+class Forward:
+    """One forward pass through every layer of a model."""
+
+    def __init__(self, root: torch.nn.Module, shapes: dict, inputs: dict[int, torch.Tensor]):
+        self.layers = [root.get_submodule(k.removesuffix(".weight")) for k in shapes]
+        self.inputs = inputs
+
+    def __call__(self) -> None:
+        with torch.no_grad():
+            for layer in self.layers:
+                layer(self.inputs[layer.in_features])
+
+
+class Model:
+    """One copy of the small model with its ModelPatcher. Each compared path gets its own copy, so their
+    measurements can alternate: load from other processes on a shared machine then hits both alike."""
+
+    def __init__(self, shapes: dict, weights: Weights, inputs: dict[int, torch.Tensor]):
+        self.shapes, self.weights = shapes, weights
+        self.root = layer_model(shapes, weights)
+        self.base = comfy.model_patcher.ModelPatcher(self.root, load_device=CPU, offload_device=CPU)
+        self.forward = Forward(self.root, shapes, inputs)
+
+    def weights_unchanged(self) -> bool:
+        return all(torch.equal(self.root.get_parameter(k), self.weights.original(s)) for k, s in self.shapes.items())
+
+    def output_changed(self) -> bool:
+        """The first layer's forward differs from the plain linear of its stored weight: a bypass hook or an
+        offloaded (LowVramPatch) patch is at work."""
+        layer = self.forward.layers[0]
+        x = self.forward.inputs[layer.in_features][:4]
+        with torch.no_grad():
+            return not torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def alternating(calls: dict, repeats: int) -> dict[str, float]:
+    """Median time of each call, measured in turn after one untimed warm-up each (first-call allocations and lazy
+    set-up are not the steady state)."""
+    for call in calls.values():
+        call()
+    samples = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            samples[name].append(timed(call))
+    return {name: median(values) for name, values in samples.items()}
+
+
+def our_bypass(lfile, base, strength: float):
+    new, _, report = apply_file(lfile, base, None, strength, 0.0, reference=False, block_weights=None,
+                                apply_mode="bypass", injection_key="bench")
+    assert report.bypassed == len(report.applied), f"only {report.bypassed}/{len(report.applied)} layers bypassed"
+    return new
+
+
+# ---- row 2: strength change --------------------------------------------------------------------------------------
+
+def strength_rows(shapes, key_map, weights: Weights, inputs, repeats: int) -> list[Row]:
+    """Time from a new strength to a patched model, as a re-executed loader node and the next sampler's
+    load_models_gpu do it (the previous clone detached, its weights restored, all re-patched)."""
+    sd = files.state_dict("locon_r32", shapes, key_map, seed=10)
+    lfile = parse_state_dict(sd, "locon_r32.safetensors")
+    load = comfy.model_management.load_models_gpu
+
+    def builtin(base, s):  # LoraLoader with its cached state dict
+        new, _ = comfy.sd.load_lora_for_models(base, None, sd, s, 0.0)
+        load([new])
+        return new
+
+    def merge(base, s):  # our loader with its cached parsed file
+        new, _, _ = apply_file(lfile, base, None, s, 0.0, reference=False)
+        load([new])
+        return new
+
+    def bypass(base, s):
+        new = our_bypass(lfile, base, s)
+        load([new])
+        return new
+
+    changes = {"builtin": builtin, "merge": merge, "bypass": bypass}
+    models = {name: Model(shapes, weights, inputs) for name in changes}
+    # The loader's previous output stays alive until the new one is loaded (ComfyUI's LoadedModel holds only a weak
+    # reference; the node output cache holds the patcher), as when a user changes the strength and queues again.
+    current = {name: change(models[name].base, 0.75) for name, change in changes.items()}
+    elapsed = {name: [] for name in changes}
+    for s in [0.9, 1.0, 0.8, 0.6, 1.1, 0.7, 0.5][:max(repeats, 3)]:
+        for name, change in changes.items():
+            start = time.perf_counter()
+            new = change(models[name].base, s)
+            elapsed[name].append(time.perf_counter() - start)
+            current[name] = new
+    assert models["bypass"].weights_unchanged(), "bypass mode changed a weight"
+    assert models["bypass"].output_changed(), "bypass mode installed no hooks"
+    assert not models["builtin"].weights_unchanged() and not models["merge"].weights_unchanged(), "merge did nothing"
+    comfy.model_management.unload_all_models()  # while the patchers live: unloading restores every weight
+    assert all(m.weights_unchanged() for m in models.values()), "unloading must restore the weights"
+    del current
+    times = {name: median(values) for name, values in elapsed.items()}
+    label = f"sdxl {len(shapes)} layers locon_r32"
+    rows = [Row(f"strength merge {label}", times["merge"], times["builtin"], "<=0.5", 0.5,
+                note="loader node work + load_models_gpu"),
+            Row(f"strength bypass {label}", times["bypass"], times["builtin"], "<=0.01", 0.01,
+                note="ours=bypass (weights checked unchanged), builtin=built-in merge")]
+    for row in rows:
+        log(row.line())
+    return rows
+
+
+# ---- rows 3 and 4: offloaded forward, bypass cost -----------------------------------------------------------------
+
+def forward_rows(shapes, key_map, weights: Weights, inputs, repeats: int) -> tuple[list[Row], list[Row]]:
+    a, b = Model(shapes, weights, inputs), Model(shapes, weights, inputs)
+    label = f"sdxl {len(shapes)} layers x {next(iter(inputs.values())).shape[0]} tokens"
+    offloaded, bypass_cost = [], []
+    for i, algo in enumerate(files.ALGORITHMS):
+        sd = files.state_dict(algo, shapes, key_map, seed=20 + i)
+        lfile = parse_state_dict(sd, f"{algo}.safetensors")
+        builtin, ours = builtin_patches(sd, key_map), our_patches(sd, algo, key_map, shapes)
+
+        # row 3: the built-in's patches on a, ours on b, every layer offloaded (LowVramPatch at each forward)
+        patchers = []
+        for model, patches in ((a, builtin), (b, ours)):
+            p = model.base.clone()
+            p.add_patches(patches, 1.0)
+            p.patch_model(device_to=CPU, lowvram_model_memory=1)
+            assert model.root.lowvram_patch_counter == len(shapes), "every layer must be patched at forward time"
+            patchers.append(p)
+        errors = ADAPTER_ERRORS.count  # only the built-in logs them: our adapter raises instead
+        t = alternating({"builtin": a.forward, "ours": b.forward}, repeats)
+        errors = ADAPTER_ERRORS.count - errors
+        assert b.output_changed(), f"{algo}: our offloaded patch did not change the output"
+        unpatched = 0 if a.output_changed() else 1
+        for p in patchers:
+            p.unpatch_model(device_to=CPU)
+        offloaded.append(Row(f"offloaded-forward {label} {algo}", t["ours"], t["builtin"], "<=1.0", 1.0,
+                             note=failure_note(errors, unpatched).removeprefix("; "),
+                             comparable=not (errors or unpatched)))
+        log(offloaded[-1].line())
+
+        # row 4: our patches merged into a's weights, bypassed on b
+        merged = a.base.clone()
+        merged.add_patches(ours, 1.0)
+        merged.patch_model(device_to=CPU, lowvram_model_memory=0)
+        bypassed = our_bypass(lfile, b.base, 1.0)
+        bypassed.patch_model(device_to=CPU, lowvram_model_memory=0)
+        assert b.output_changed() and b.weights_unchanged(), "bypass mode must hook the forward, not the weights"
+        t = alternating({"merged": a.forward, "bypass": b.forward}, repeats)
+        merged.unpatch_model(device_to=CPU)
+        bypassed.unpatch_model(device_to=CPU)
+        bypass_cost.append(Row(f"bypass-cost {label} {algo}", t["bypass"], t["merged"], "report",
+                               note="ours=bypass forward, builtin=forward on merged weights"))
+        log(bypass_cost[-1].line())
+        del sd, lfile, builtin, ours
+        gc.collect()
+    return offloaded, bypass_cost
+
+
+# ---- row 5: loading ----------------------------------------------------------------------------------------------
+
+def write_file(path: str, model: str, rank: int) -> int:
+    from safetensors.torch import save_file
+
+    shapes = unet_shapes.unet_weights(model)
+    sd = files.state_dict(f"locon_r{rank}", shapes, unet_shapes.key_map(shapes), seed=30)
+    save_file(sd, path)
+    del sd
+    gc.collect()
+    return os.path.getsize(path)
+
+
+def child(mode: str, path: str, model: str) -> dict:
+    result = subprocess.run([sys.executable, str(BENCH / "load_child.py"), mode, path, model],
+                            check=True, capture_output=True, text=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def load_rows(model: str, rank: int, repeats: int) -> list[Row]:
+    with tempfile.TemporaryDirectory(prefix="lycoris_bench_") as tmp:
+        path = os.path.join(tmp, f"locon_r{rank}.safetensors")
+        size = write_file(path, model, rank)
+        runs = {"builtin": [], "ours": []}
+        for _ in range(repeats):  # alternating, each in a fresh process
+            for mode, results in runs.items():
+                results.append(child(mode, path, model))
+    label = f"{model} locon_r{rank} {size / 1e9:.2f} GB"
+    anon = {m: median(r["rss_anon_after"] for r in runs[m]) / 1e6 for m in runs}
+    rows = [
+        Row(f"load-time {label}", median(r["seconds"] for r in runs["ours"]),
+            median(r["seconds"] for r in runs["builtin"]), "report", note="load + build patches"),
+        Row(f"load-peak-memory {label}", median(r["peak_extra"] for r in runs["ours"]),
+            median(r["peak_extra"] for r in runs["builtin"]), "<=0.5", 0.5, unit="B",
+            note=f"peak RSS over the post-import baseline (file-backed pages count); anonymous RSS after: "
+                 f"ours {anon['ours']:.0f} MB, builtin {anon['builtin']:.0f} MB"),
+    ]
+    for row in rows:
+        log(row.line())
+    return rows
+
+
+# ---- output ------------------------------------------------------------------------------------------------------
+
+def write_table(rows: list[Row], quick: bool, machine: dict, spent: tuple[float, float], load: tuple[float, float]
+                ) -> str:
+    path = BENCH / ("results-quick.md" if quick else "results.md")
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+               platform.processor())
+    header = (f"`python bench/run.py{' --quick' if quick else ''}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
+              f"{os.cpu_count()} CPUs ({cpu}), torch {torch.__version__} ({torch.get_num_threads()} threads), "
+              f"ComfyUI {comfy_version()}, Python {platform.python_version()}; {spent[0] / 60:.1f} min in all "
+              f"({spent[1] / 60:.1f} CPU-min; 1-min load average {load[0]:.1f} at the start, {load[1]:.1f} at the "
+              f"end: other processes shared these CPUs). "
+              f"Measured copy bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s (read+write), "
+              f"fp32 matmul {machine['flops'] / 1e9:.0f} GFLOP/s.")
+    lines = [
+        f"# Benchmark results{' (--quick)' if quick else ''}",
+        "",
+        header,
+        "",
+        "Seconds (medians), or bytes for memory; ratio = ours/built-in.",
+        "",
+        "| row | ours | built-in | ratio | goal | status | notes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = "n/a" if r.ratio is None else f"{r.ratio:.3f}"
+        lines.append(f"| {r.name} | {r.value(r.ours)} | {r.value(r.builtin)} | {ratio} | {r.goal} | {r.status} "
+                     f"| {r.note} |")
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def comfy_version() -> str:
+    import comfyui_version
+
+    return comfyui_version.__version__
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller version, under 5 minutes on 2 cores")
+    parser.add_argument("--rows", default="1,2,3,4,5",
+                        help="comma-separated rows to run (default: all; the table file is written only for all)")
+    opts = parser.parse_args(argv)
+    which = {int(x) for x in opts.rows.split(",")}
+    cfg = SETTINGS["quick" if opts.quick else "full"]
+    torch.set_grad_enabled(False)
+    spent: dict[str, tuple[float, float]] = {}
+    load_before = os.getloadavg()[0]
+    rows: list[Row] = []
+    with section("all", spent):
+        machine = measure_machine()
+        log(f"machine: copy {machine['bandwidth'] / 1e9:.1f} GB/s, fp32 matmul {machine['flops'] / 1e9:.0f} GFLOP/s, "
+            f"{torch.get_num_threads()} threads, load average {load_before:.1f}; "
+            f"{'quick' if opts.quick else 'full'}: {cfg}")
+        if 1 in which:
+            with section("row 1", spent):
+                for model in cfg["merge_models"]:
+                    rows += merge_rows(model, cfg["merge_stride"], cfg["repeats"], machine)
+        if which & {2, 3, 4}:
+            shapes = sdxl_layers(cfg["layers"])
+            key_map = unet_shapes.key_map(shapes)
+            weights = Weights(shapes.values(), seed=3)
+            inputs = make_inputs(shapes, cfg["tokens"])
+            if 2 in which:
+                with section("row 2", spent):
+                    rows += strength_rows(shapes, key_map, weights, inputs, cfg["repeats"])
+                gc.collect()
+            if which & {3, 4}:
+                with section("rows 3-4", spent):
+                    offloaded, bypass_cost = forward_rows(shapes, key_map, weights, inputs, cfg["repeats"])
+                rows += (offloaded if 3 in which else []) + (bypass_cost if 4 in which else [])
+                gc.collect()
+        if 5 in which:
+            with section("row 5", spent):
+                rows += load_rows(cfg["load_model"], cfg["load_rank"], cfg["repeats"])
+    if which == {1, 2, 3, 4, 5}:
+        log(f"table written to {write_table(rows, opts.quick, machine, spent['all'], (load_before, os.getloadavg()[0]))}")
+    else:
+        log("table not written: only some rows were run")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
