@@ -8,11 +8,17 @@
 
 The norm is that of W + ΔW, not of W (ComfyUI's out-axis branch uses W). A 1-D dora_scale (PEFT's magnitude vector)
 is per output row.
+
+Computed in place: V is formed where W was (the algorithm's add_into), then scaled; linear semantics, which need W
+and V at once, read W from the weight as given, so V's buffer is the one weight-sized temporary.
 """
+
+from collections.abc import Callable
 
 import torch
 
-from .algos.base import ShapeError
+from .algos.base import Layout, ShapeError, Tensors
+from .casting import add_scaled, pieces
 
 OUT, IN = "out", "in"
 
@@ -32,18 +38,33 @@ def axis_for(scale_shape: tuple[int, ...], weight_shape: tuple[int, ...]) -> str
 
 
 def _norm(v: torch.Tensor, axis: str) -> torch.Tensor:
-    if axis == OUT:
-        return v.reshape(v.shape[0], -1).norm(dim=1).reshape(v.shape[0], *([1] * (v.ndim - 1)))
-    per_in = v.transpose(0, 1).reshape(v.shape[1], -1).norm(dim=1)
-    return per_in.reshape(1, v.shape[1], *([1] * (v.ndim - 2)))
+    """‖V‖ over every dim but the axis', shaped to broadcast against V. Squares are summed a piece of rows at a time
+    (`casting.pieces`): torch's sum stays accurate to about an ulp where a long fp32 norm reduction drifts."""
+    keep = 0 if axis == OUT else 1
+    dims = [d for d in range(v.ndim) if d != keep]
+    squares = torch.zeros(v.shape[keep], dtype=v.dtype, device=v.device)
+    for start, length in pieces(v.shape[0], v[0].numel() * v.element_size()):
+        rows = v.narrow(0, start, length)
+        if keep == 0:
+            squares[start:start + length] = rows.square().sum(dim=dims)
+        else:
+            squares += rows.square().sum(dim=dims)
+    shape = [1] * v.ndim
+    shape[keep] = v.shape[keep]
+    return squares.sqrt_().reshape(shape)
 
 
-def change(weight: torch.Tensor, delta: torch.Tensor, dora_scale: torch.Tensor, axis: str, m: float,
-           reference: bool) -> torch.Tensor:
-    """W'(m) − W for DoRA."""
-    v = weight + delta
+def merge_into(add_into: Callable[[Tensors, Layout, torch.Tensor, float, torch.Tensor], None], t: Tensors,
+               layout: Layout, v: torch.Tensor, weight: torch.Tensor, dora_scale: torch.Tensor, axis: str, m: float,
+               reference: bool) -> None:
+    """v ← W'(m) in place. `v` holds W in the compute dtype on entry; `weight` is W as given (any dtype), read by the
+    linear semantics only, which therefore need `v` to be a buffer of its own."""
+    add_into(t, layout, v, 1.0, v)  # v = V = W + ΔW
     norm = _norm(v, axis)
     gain = dora_scale.reshape(norm.shape) / (norm + torch.finfo(v.dtype).eps)
     if reference:
-        return v * (m * (gain - 1) + 1) - weight
-    return m * (v * gain - weight)
+        v.mul_(m * (gain - 1) + 1)
+        return
+    v.mul_(m * gain)  # W + m·(V·g − W) = m·g·V + (1 − m)·W
+    if m != 1:
+        add_scaled(v, weight, 1 - m)

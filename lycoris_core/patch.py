@@ -2,6 +2,10 @@
 
 The weight may be fp32/fp16/bf16/fp8, on any device, and may be a view (ComfyUI narrows fused weights with
 offsets and keeps only the view's changes), so the result is written into it rather than returned as a new tensor.
+
+Memory: the algorithms write into W itself (`add_into`, `merge_into`), so a patch makes at most one weight-sized
+temporary: the fp32 copy of W when W is in another dtype or not contiguous, or V's buffer for linear DoRA, or ΔW
+when a `function` must see the change. Adapter tensors as large as W (Full) are never cast whole.
 """
 
 from collections.abc import Callable
@@ -10,20 +14,48 @@ import torch
 
 from . import dora
 from .algos import BY_NAME
-from .casting import cast, cast_all, compute_dtype
+from .casting import cast, cast_all, compute_dtype, working_copy
 from .keys import DORA_SCALE
 from .module import Plan
 
+_IDENTITY = (lambda a: a).__code__
+
+
+def _real_function(function: Callable[[torch.Tensor], torch.Tensor] | None
+                   ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """None for no function and for an identity: ComfyUI hands every adapter `lambda a: a` when a patch has none."""
+    code = getattr(function, "__code__", None)
+    if code is not None and code.co_code == _IDENTITY.co_code and code.co_argcount == 1:
+        return None
+    return function
+
+
+def merge(plan: Plan, t: dict[str, torch.Tensor], w: torch.Tensor, weight: torch.Tensor, m: float) -> None:
+    """w ← W'(m) in place. `w` is contiguous, in the compute dtype, and holds W; `weight` is W as given (the same
+    tensor, or the original of the copy `w`, which linear DoRA needs)."""
+    algorithm = BY_NAME[plan.algorithm]
+    if algorithm.merge_into is not None:
+        algorithm.merge_into(t, plan.layout, w, m, plan.reference)
+    elif plan.dora_axis is not None:
+        dora.merge_into(algorithm.add_into, t, plan.layout, w, weight, t[DORA_SCALE], plan.dora_axis, m,
+                        plan.reference)
+    else:
+        algorithm.add_into(t, plan.layout, w, m, w)
+
 
 def change(plan: Plan, t: dict[str, torch.Tensor], weight: torch.Tensor, m: float) -> torch.Tensor:
-    """W'(m) − W, in the dtype and on the device of `weight` and `t` (already cast)."""
+    """W'(m) − W as a new tensor, in the dtype of `weight` and on the device of `weight` and `t` (already cast).
+
+    For algorithms whose change does not read W, `weight` may be a meta tensor that only lends its shape."""
     algorithm = BY_NAME[plan.algorithm]
-    if algorithm.diff_weight is None:
-        return algorithm.merged(t, plan.layout, weight, m, plan.reference) - weight
-    delta = algorithm.diff_weight(t, plan.layout, weight)
-    if plan.dora_axis is not None:
-        return dora.change(weight, delta, t[DORA_SCALE], plan.dora_axis, m, plan.reference)
-    return m * delta
+    if algorithm.add_into is not None and plan.dora_axis is None:
+        device = weight.device if weight.device.type != "meta" else next(iter(t.values())).device
+        delta = torch.zeros(weight.shape, dtype=weight.dtype, device=device)
+        algorithm.add_into(t, plan.layout, weight, m, delta)
+        return delta
+    merged = working_copy(weight, weight.dtype, private=True)
+    merge(plan, t, merged, weight, m)
+    return merged.sub_(weight)
 
 
 def is_noop(plan: Plan, strength: float) -> bool:
@@ -42,13 +74,17 @@ def apply(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Tensor, st
     """
     if is_noop(plan, strength):
         return weight
+    function = _real_function(function)
     dtype = compute_dtype(intermediate_dtype)
-    w = cast(weight, weight.device, dtype)
-    delta = change(plan, cast_all(tensors, weight.device, dtype), w, strength)
-    if function is not None:
-        delta = function(delta)
-    # w is either weight itself (already in the compute dtype) or our private copy: add in place, round once.
-    w.add_(delta)
+    t = cast_all(tensors, weight.device, dtype, keep=BY_NAME[plan.algorithm].dense)
+    if function is None:
+        # linear DoRA reads W while V = W + ΔW is formed: V gets a buffer of its own
+        w = working_copy(weight, dtype, private=plan.dora_axis is not None and not plan.reference)
+        merge(plan, t, w, weight, strength)
+    else:
+        w = working_copy(weight, dtype)
+        w.add_(function(change(plan, t, w, strength)))
+    # w is either weight itself (already in the compute dtype) or our private copy: round once.
     if w is not weight:
         weight.copy_(w)
     return weight
@@ -59,5 +95,5 @@ def change_norms(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Ten
     """(‖W'(strength) − W‖², ‖W‖²), computed like a patch but without touching `weight`. For reports."""
     dtype = compute_dtype(None)
     w = cast(weight, weight.device, dtype)
-    delta = change(plan, cast_all(tensors, weight.device, dtype), w, strength)
+    delta = change(plan, cast_all(tensors, weight.device, dtype, keep=BY_NAME[plan.algorithm].dense), w, strength)
     return float(delta.square().sum()), float(w.square().sum())

@@ -1,16 +1,21 @@
 """What every algorithm file provides, and the shape facts they share.
 
 An algorithm is declared as data (`Algorithm`): the tensor suffixes it reads, the marker key that selects it, and
-three small functions:
+small functions:
 
 * ``layout(t, alpha) -> Layout``: checks the tensors agree with each other and derives rank, scale and the weight
   shape they imply. Runs once, when the file is loaded; raises `ShapeError`.
-* ``diff_weight(t, layout, W) -> ΔW``: for additive algorithms, the full-strength change (scale applied once), so
-  W' = W + m·ΔW. DoRA wraps this.
-* ``merged(t, layout, W, m, reference) -> W'``: for algorithms that are not additive (OFT, BOFT); `reference` picks
-  LyCORIS' own multiplier semantics instead of the linear W + m·(W'(1) − W).
+* ``add_into(t, layout, W, m, out)``: for additive algorithms, out += m·ΔW(W) in place, with ΔW the full-strength
+  change (scale applied once), so W' = W + m·ΔW. `out` is W itself when patching, a zero tensor when ΔW alone is
+  wanted; ΔW of GLoRA and (IA)³ reads W, so every read of W happens before `out` is written. DoRA wraps this.
+* ``merge_into(t, layout, W, m, reference)``: for algorithms that are not additive (OFT, BOFT), W ← W'(m) in place;
+  `reference` picks LyCORIS' own multiplier semantics instead of the linear W + m·(W'(1) − W).
 
-`t` maps canonical suffixes to tensors already cast to W's device and the compute dtype (see casting.py).
+Both write into a contiguous W (in the compute dtype) and make no weight-sized temporary: what they need beyond W is
+the size of the factors, or a piece of W (`casting.pieces`).
+
+`t` maps canonical suffixes to tensors already cast to W's device and the compute dtype (see casting.py), except the
+`dense` ones (as large as W), which are passed as stored and added in pieces by `casting.add_scaled`.
 """
 
 import math
@@ -60,8 +65,9 @@ class Algorithm:
     markers: tuple[str, ...]  # suffixes whose presence selects this algorithm
     keys: tuple[str, ...]  # every tensor suffix it may read (alpha and dora_scale are handled for all)
     layout: Callable[[Tensors, float | None], Layout]
-    diff_weight: Callable[[Tensors, Layout, torch.Tensor], torch.Tensor] | None = None
-    merged: Callable[[Tensors, Layout, torch.Tensor, float, bool], torch.Tensor] | None = None
+    add_into: Callable[[Tensors, Layout, torch.Tensor, float, torch.Tensor], None] | None = None
+    merge_into: Callable[[Tensors, Layout, torch.Tensor, float, bool], None] | None = None
+    dense: tuple[str, ...] = ()  # keys as large as the weight: never cast whole (see casting.add_scaled)
     marker_ndim: int | None = None  # oft_blocks: 3-D is diag-OFT, 4-D is BOFT
     param: str = "weight"  # which parameter of the target layer it patches
     supports_dora: bool = False
@@ -93,3 +99,18 @@ def expect(condition: bool, reason: str, key: str | None = None) -> None:
 
 def trailing_ones(t: torch.Tensor, start: int) -> bool:
     return all(d == 1 for d in t.shape[start:])
+
+
+def tucker_factors(core: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Tucker product as two small factors A (out, r), B (r, in·∏k) with A @ B = the flattened
+
+        einsum("ij…,ip,jn->pn…", core, left, right),   core (r, r, *k), left (r, out), right (r, in)
+
+    (the kernel is folded into the right factor, so nothing of the weight's size is formed)."""
+    folded = torch.einsum("ij...,jn->in...", core, right)
+    return left.transpose(0, 1), folded.reshape(folded.shape[0], -1)
+
+
+def rows_2d(w: torch.Tensor) -> torch.Tensor:
+    """W as (out, in·∏k): a view, W being contiguous."""
+    return w.view(w.shape[0], -1)

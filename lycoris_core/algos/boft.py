@@ -7,6 +7,7 @@
 
 Multiplier: linear (W + m·(W'(1) − W)) or LyCORIS' reference, which interpolates every stage,
 R_{i} ← m·R_{i} + (1 − m)·I (not linear in m); rescale is not interpolated.
+Every stage mixes rows only, so W is merged in place a piece of columns at a time (oft.merge_columns).
 """
 
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Algorithm, Layout, Tensors, expect, require
-from .oft import RESCALE, _check_rescale, _rescaled, cayley, interpolate
+from .oft import RESCALE, _check_rescale, cayley, interpolate, merge_columns
 
 BLOCKS = "oft_blocks"
 
@@ -45,15 +46,14 @@ def butterfly(rotations: torch.Tensor, weight: torch.Tensor, block_size: int) ->
     return x
 
 
-def merged(t: Tensors, lay: BOFTLayout, weight: torch.Tensor, m: float, reference: bool) -> torch.Tensor:
+def merge_into(t: Tensors, lay: BOFTLayout, weight: torch.Tensor, m: float, reference: bool) -> None:
     rotations = cayley(t[BLOCKS], lay.constraint)
     if reference:
-        return _rescaled(t, butterfly(interpolate(rotations, m), weight, lay.block_size))
-    full = _rescaled(t, butterfly(rotations, weight, lay.block_size))
-    return weight + m * (full - weight)
+        rotations = interpolate(rotations, m)
+    merge_columns(t, weight, m, reference, lambda columns: butterfly(rotations, columns, lay.block_size))
 
 
 ALGORITHM = Algorithm(
     name="boft", label="BOFT", markers=(BLOCKS,), marker_ndim=4, keys=(BLOCKS, RESCALE),
-    layout=layout, merged=merged,
+    layout=layout, merge_into=merge_into,
 )

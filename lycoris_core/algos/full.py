@@ -3,11 +3,13 @@
     Full:  W' = W + m·diff,    b' = b + m·diff_b
     Norm:  γ' = γ + m·w_norm,  β' = β + m·b_norm          (LayerNorm/GroupNorm with train_norm)
 
+The difference is added as stored (`dense`): cast piece by piece by casting.add_scaled, never as a whole fp32 copy.
 The bias parts patch the layer's `bias` and are separate modules for patching purposes.
 """
 
 import torch
 
+from ..casting import add_scaled
 from .base import Algorithm, Layout, Tensors, require
 
 
@@ -16,12 +18,12 @@ def _difference(key: str, param: str, label: str) -> Algorithm:
         (diff,) = require(t, key)
         return Layout(None, 1.0, diff.shape[0] if diff.ndim else 1, shape=tuple(diff.shape))
 
-    def diff_weight(t: Tensors, lay: Layout, weight: torch.Tensor) -> torch.Tensor:
-        return t[key]
+    def add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: torch.Tensor) -> None:
+        add_scaled(out, t[key], m)
 
     name = key.replace("_", "-")
     return Algorithm(name=name, label=label, markers=(key,), keys=(key,), layout=layout,
-                     diff_weight=diff_weight, param=param, uses_alpha=False)
+                     add_into=add_into, dense=(key,), param=param, uses_alpha=False)
 
 
 FULL = _difference("diff", "weight", "Full")

@@ -6,6 +6,11 @@
         ΔW = s · ( W A₂A₁ + B₂B₁ )
     s = alpha / r.
 
+Added into W factor by factor (never the in×in product A₁A₂): P = W ×_in A₁ (out × r·∏k, small) is formed first,
+so every read of W is done before W is written. Linear and 1×1 conv: W₂ += s·m·[P | B₁] @ [A₂ ; B₂], one addmm_ and
+no temporary. Conv with k > 1: the same a piece of output rows at a time (`casting.pieces`; a row of ΔW reads only
+that row of W).
+
 The layouts are told apart by shape. Both can fit a square weight, so the choice is made against the target weight
 (`resolve`); only r == in == out stays ambiguous, and then the current (new) layout is assumed. ΔW depends on W as it
 stands when the patch is computed, so stacked patches apply in order.
@@ -15,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Algorithm, Layout, ShapeError, Tensors, require, scale_from_alpha
+from ..casting import pieces
+from .base import Algorithm, Layout, ShapeError, Tensors, require, rows_2d, scale_from_alpha
 
 A1, A2, B1, B2 = "a1.weight", "a2.weight", "b1.weight", "b2.weight"
 
@@ -66,15 +72,25 @@ def layout(t: Tensors, alpha: float | None) -> Layout:
     return GLoRALayout(first.rank, first.scale, first.out, first.flat_in, candidates=tuple(candidates))
 
 
-def diff_weight(t: Tensors, lay: GLoRALayout, weight: torch.Tensor) -> torch.Tensor:
+def add_into(t: Tensors, lay: GLoRALayout, weight: torch.Tensor, m: float, out: torch.Tensor) -> None:
     a1, a2, b1, b2 = (_flat(t[k]) for k in (A1, A2, B1, B2))
-    # W ×_in (first @ second), applied factor by factor: never the in×in product (1 GB a module on Flux sizes).
-    first, second, low_rank = (a2, a1, b2 @ b1) if lay.old else (a1, a2, b1 @ b2)
-    acting_on_w = torch.einsum("or...,rj->oj...", torch.einsum("oi...,ir->or...", weight, first), second)
-    return (acting_on_w + low_rank.reshape(weight.shape)) * lay.scale
-
+    first, second, low_left, low_right = (a2, a1, b2, b1) if lay.old else (a1, a2, b1, b2)
+    alpha = lay.scale * m
+    if all(d == 1 for d in weight.shape[2:]):
+        w = weight.reshape(weight.shape[0], weight.shape[1])
+        left = torch.cat([w @ first, low_left], dim=1)  # reads W; out is written only below
+        rows_2d(out).addmm_(left, torch.cat([second, low_right]), alpha=alpha)
+        return
+    kernel = weight.reshape(weight.shape[0], weight.shape[1], -1)  # (out, in, ∏k)
+    target = out.view(kernel.shape)
+    for start, length in pieces(kernel.shape[0], kernel[0].numel() * kernel.element_size()):
+        part = slice(start, start + length)
+        # these rows of W ×_in A₁A₂ read only these rows of W; batched matmuls keep W's layout (no permuted copy)
+        delta = torch.matmul(second.transpose(0, 1), torch.matmul(first.transpose(0, 1), kernel[part]))
+        rows_2d(delta).addmm_(low_left[part], low_right)
+        target[part].add_(delta, alpha=alpha)
 
 ALGORITHM = Algorithm(
     name="glora", label="GLoRA", markers=(A1,), keys=(A1, A2, B1, B2),
-    layout=layout, diff_weight=diff_weight,
+    layout=layout, add_into=add_into,
 )

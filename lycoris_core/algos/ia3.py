@@ -3,6 +3,8 @@
     on_input = 0:  W'[o, …] = W[o, …] · (1 + m·w[o])        on_input = 1:  W'[:, i, …] = W[:, i, …] · (1 + m·w[i])
     so ΔW = w ⊙ W along that axis.
 
+Patched as W += m·(w ⊙ W), one in-place addcmul_ broadcast along the axis (no temporary).
+
 `weight` is (out,) for Linear and (1, out, 1…) for conv (or the `in` forms); only its length matters.
 """
 
@@ -34,13 +36,13 @@ def layout(t: Tensors, alpha: float | None) -> Layout:
     return IA3Layout(None, 1.0, out=scales.numel() if axis == 0 else -1, axis=axis, length=scales.numel())
 
 
-def diff_weight(t: Tensors, lay: IA3Layout, weight: torch.Tensor) -> torch.Tensor:
+def add_into(t: Tensors, lay: IA3Layout, weight: torch.Tensor, m: float, out: torch.Tensor) -> None:
     shape = [1] * weight.ndim
     shape[lay.axis] = lay.length
-    return weight * t[WEIGHT].reshape(shape)
+    out.addcmul_(weight, t[WEIGHT].reshape(shape), value=m)
 
 
 ALGORITHM = Algorithm(
     name="ia3", label="(IA)³", markers=(ON_INPUT,), keys=(WEIGHT,),
-    layout=layout, diff_weight=diff_weight, uses_alpha=False,
+    layout=layout, add_into=add_into, uses_alpha=False,
 )

@@ -4,6 +4,9 @@
     Tucker (lora_mid, conv with k > 1):
     ΔW[o, n, …] = s · Σᵢⱼ mid[i, j, …] U₂[o, i] D₂[j, n]
 
+Patched as W₂ += s·m·U₂D₂ by one addmm_ into W (no temporary); with Tucker, mid is folded into the down factor first
+(einsum("ij…,jn->in…", mid, D₂), r × in·∏k), so it is the same addmm_.
+
 `down` keeps in/groups channels, so grouped convolutions need nothing special. LyCORIS' DyLoRA stores a conv `up`
 as 2-D (out, r); any up whose trailing dims are 1 reads the same way.
 """
@@ -12,7 +15,7 @@ import math
 
 import torch
 
-from .base import Algorithm, Layout, Tensors, expect, require, scale_from_alpha, trailing_ones
+from .base import Algorithm, Layout, Tensors, expect, require, rows_2d, scale_from_alpha, trailing_ones, tucker_factors
 
 UP, DOWN, MID = "lora_up.weight", "lora_down.weight", "lora_mid.weight"
 
@@ -33,17 +36,21 @@ def layout(t: Tensors, alpha: float | None) -> Layout:
     return Layout(rank, scale_from_alpha(alpha, rank), up.shape[0], math.prod(shape[1:]), shape)
 
 
-def diff_weight(t: Tensors, lay: Layout, weight: torch.Tensor) -> torch.Tensor:
+def factors(t: Tensors, lay: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) with ΔW₂ = s · A @ B: A (out, r), B (r, in·∏k)."""
     up = t[UP].reshape(lay.out, lay.rank)
     down = t[DOWN].reshape(lay.rank, -1)
     if MID in t:
-        delta = torch.einsum("ij...,oi,jn->on...", t[MID], up, down)
-    else:
-        delta = up @ down
-    return (delta * lay.scale).reshape(weight.shape)
+        return tucker_factors(t[MID], up.transpose(0, 1), down)
+    return up, down
+
+
+def add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: torch.Tensor) -> None:
+    up, down = factors(t, lay)
+    rows_2d(out).addmm_(up, down, alpha=lay.scale * m)
 
 
 ALGORITHM = Algorithm(
     name="locon", label="LoCon", markers=(UP,), keys=(UP, DOWN, MID),
-    layout=layout, diff_weight=diff_weight, supports_dora=True,
+    layout=layout, add_into=add_into, supports_dora=True,
 )

@@ -4,6 +4,9 @@
     Tucker (hada_t1/t2, conv with k > 1), with the a-factors stored transposed (r, out):
     Rᵢ = einsum("ij…,jr,ip->pr…", tᵢ, wᵢb, wᵢa),  ΔW = s · (R₁ ⊙ R₂)
 
+Both products are low-rank, A @ B (the Tucker form folded by `tucker_factors`), so ΔW is formed a piece of output rows
+at a time and added into W (`casting.pieces`): only two pieces exist at once, never a weight-sized temporary.
+
 s is applied once, as in the reference's forward pass (its get_diff_weight/merge_to apply it twice; see the spec).
 """
 
@@ -11,7 +14,8 @@ import math
 
 import torch
 
-from .base import Algorithm, Layout, Tensors, expect, require, scale_from_alpha
+from ..casting import pieces
+from .base import Algorithm, Layout, Tensors, expect, require, rows_2d, scale_from_alpha, tucker_factors
 
 W1A, W1B, W2A, W2B, T1, T2 = "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"
 
@@ -34,19 +38,22 @@ def layout(t: Tensors, alpha: float | None) -> Layout:
     return Layout(rank, scale_from_alpha(alpha, rank), w1a.shape[0], w1b.shape[1])
 
 
-def _tucker(core: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
-    return torch.einsum("ij...,jr,ip->pr...", core, wb, wa)
+def _factors(t: Tensors, wa: str, wb: str, core: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) with the product Rᵢ = A @ B flattened to (out, in·∏k)."""
+    if core in t:
+        return tucker_factors(t[core], t[wa], t[wb])
+    return t[wa], t[wb]
 
 
-def diff_weight(t: Tensors, lay: Layout, weight: torch.Tensor) -> torch.Tensor:
-    if T1 in t:
-        product = _tucker(t[T1], t[W1A], t[W1B]) * _tucker(t[T2], t[W2A], t[W2B])
-    else:
-        product = (t[W1A] @ t[W1B]) * (t[W2A] @ t[W2B])
-    return (product * lay.scale).reshape(weight.shape)
+def add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: torch.Tensor) -> None:
+    (a1, b1), (a2, b2) = _factors(t, W1A, W1B, T1), _factors(t, W2A, W2B, T2)
+    rows = rows_2d(out)
+    for start, length in pieces(rows.shape[0], rows.shape[1] * rows.element_size()):
+        part = slice(start, start + length)
+        rows[part].addcmul_(a1[part] @ b1, a2[part] @ b2, value=lay.scale * m)
 
 
 ALGORITHM = Algorithm(
     name="loha", label="LoHa", markers=(W1A,), keys=(W1A, W1B, W2A, W2B, T1, T2),
-    layout=layout, diff_weight=diff_weight, supports_dora=True,
+    layout=layout, add_into=add_into, supports_dora=True,
 )

@@ -5,16 +5,21 @@
          or tucker:        einsum("ij…,ip,jr->pr…", t2, w2_a, w2_b)      with w2_a (r, b), w2_b (r, d)
     ΔW = s · kron(W₁, W₂).reshape(W.shape),   out = a·b, in = c·d
 
+Added into W without forming the Kronecker product: with W viewed as (a, b, c, d·∏k),
+    W[i, j, l, q] += s·m · W₁[i, l] · W₂[j, q]          (one broadcast addcmul_, no temporary)
+where a decomposed W₂ = A @ B (Tucker folded by `tucker_factors`) is formed first: 1/(a·c) of W's size. When W₁
+is 1×1 that would be all of W, so then W₂ += s·m·(W₁A) @ B is one addmm_ instead.
+
 s = 1 when both factors are full matrices (the trainer forces alpha = dim there); otherwise alpha / r with
-r = w1_b.shape[0] if w1 is decomposed, else w2_b.shape[0]. W₁ gets trailing singleton dims to match an N-D W₂, so
-Conv1d/2d/3d all work.
+r = w1_b.shape[0] if w1 is decomposed, else w2_b.shape[0]. An N-D W₂ (b, d, *k) is read flat, (b, d·∏k), which is
+how its kernel sits in W's rows, so Conv1d/2d/3d all work.
 """
 
 import math
 
 import torch
 
-from .base import Algorithm, Layout, Tensors, expect, require, scale_from_alpha
+from .base import Algorithm, Layout, Tensors, expect, require, rows_2d, scale_from_alpha, tucker_factors
 
 W1, W1A, W1B = "lokr_w1", "lokr_w1_a", "lokr_w1_b"
 W2, W2A, W2B, T2 = "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2"
@@ -64,21 +69,26 @@ def _w1(t: Tensors) -> torch.Tensor:
     return t[W1] if W1 in t else t[W1A] @ t[W1B]
 
 
-def _w2(t: Tensors) -> torch.Tensor:
+def _w2_factors(t: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) with W₂ = A @ B flattened to (b, d·∏k), for a decomposed W₂."""
+    return tucker_factors(t[T2], t[W2A], t[W2B]) if T2 in t else (t[W2A], t[W2B])
+
+
+def add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: torch.Tensor) -> None:
+    w1 = _w1(t)
+    (a, c), alpha = w1.shape, lay.scale * m
     if W2 in t:
-        return t[W2]
-    if T2 in t:
-        return torch.einsum("ij...,ip,jr->pr...", t[T2], t[W2A], t[W2B])
-    return t[W2A] @ t[W2B]
-
-
-def diff_weight(t: Tensors, lay: Layout, weight: torch.Tensor) -> torch.Tensor:
-    w1, w2 = _w1(t), _w2(t)
-    w1 = w1.reshape(*w1.shape, *([1] * (w2.ndim - w1.ndim)))
-    return (torch.kron(w1.contiguous(), w2.contiguous()) * lay.scale).reshape(weight.shape)
-
+        w2 = t[W2].reshape(t[W2].shape[0], -1)
+    elif a * c > 1:
+        left, right = _w2_factors(t)
+        w2 = left @ right  # 1/(a·c) of W
+    else:  # W₁ is 1×1: ΔW = W₁·A @ B, plain low rank
+        left, right = _w2_factors(t)
+        rows_2d(out).addmm_(w1 * left, right, alpha=alpha)
+        return
+    out.view(a, w2.shape[0], c, -1).addcmul_(w1[:, None, :, None], w2[None, :, None, :], value=alpha)
 
 ALGORITHM = Algorithm(
     name="lokr", label="LoKr", markers=(W1, W1A), keys=(W1, W1A, W1B, W2, W2A, W2B, T2),
-    layout=layout, diff_weight=diff_weight, supports_dora=True,
+    layout=layout, add_into=add_into, supports_dora=True,
 )

@@ -6,14 +6,18 @@
 
 Multiplier: linear (W + m·(W'(1) − W)) or LyCORIS' reference R ← I + m(R − I), rescale not interpolated.
 Old LyCORIS 2.0 files store R itself as `oft_diag` (rescale already folded in); they use the same rotation.
+The rotations mix rows only, so W is merged in place a piece of columns at a time (`merge_columns`): no
+weight-sized temporary.
 The clamp is a tensor op, not a Python branch, so computing a patch never reads a value back to the host.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .base import Algorithm, Layout, Tensors, expect, require
+from ..casting import pieces
+from .base import Algorithm, Layout, Tensors, expect, require, rows_2d
 
 BLOCKS, RESCALE, OLD_R = "oft_blocks", "rescale", "oft_diag"
 
@@ -67,32 +71,42 @@ def rotate_rows(rotation: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.einsum("knm,kn...->km...", rotation, rows).reshape(weight.shape)
 
 
-def _rescaled(t: Tensors, weight: torch.Tensor) -> torch.Tensor:
-    if RESCALE not in t:
-        return weight
-    return weight * t[RESCALE].reshape(weight.shape[0], *([1] * (weight.ndim - 1)))
+def merge_columns(t: Tensors, weight: torch.Tensor, m: float, reference: bool,
+                  rotate: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """W ← ρ ⊙ rotate(W) (reference: the rotations are already interpolated) or W + m·(ρ ⊙ rotate(W) − W)
+    (linear), in place, for `rotate` acting on the rows of an (out, n) piece of W₂ and returning a new tensor."""
+    rows = rows_2d(weight)
+    rescale = t[RESCALE].reshape(-1, 1) if RESCALE in t else None
+    for start, length in pieces(rows.shape[1], rows.shape[0] * rows.element_size()):
+        columns = rows[:, start:start + length]
+        rotated = rotate(columns)
+        if rescale is not None:
+            rotated.mul_(rescale)
+        if reference:
+            columns.copy_(rotated)
+        else:
+            columns.lerp_(rotated, m)
 
 
-def _merged(rotation: torch.Tensor, t: Tensors, weight: torch.Tensor, m: float, reference: bool) -> torch.Tensor:
+def _merge_into(rotation: torch.Tensor, t: Tensors, weight: torch.Tensor, m: float, reference: bool) -> None:
     if reference:
-        return _rescaled(t, rotate_rows(interpolate(rotation, m), weight))
-    full = _rescaled(t, rotate_rows(rotation, weight))
-    return weight + m * (full - weight)
+        rotation = interpolate(rotation, m)
+    merge_columns(t, weight, m, reference, lambda columns: rotate_rows(rotation, columns))
 
 
-def merged(t: Tensors, lay: OFTLayout, weight: torch.Tensor, m: float, reference: bool) -> torch.Tensor:
-    return _merged(cayley(t[BLOCKS], lay.constraint), t, weight, m, reference)
+def merge_into(t: Tensors, lay: OFTLayout, weight: torch.Tensor, m: float, reference: bool) -> None:
+    _merge_into(cayley(t[BLOCKS], lay.constraint), t, weight, m, reference)
 
 
-def merged_old(t: Tensors, lay: OFTLayout, weight: torch.Tensor, m: float, reference: bool) -> torch.Tensor:
-    return _merged(t[OLD_R], t, weight, m, reference)
+def merge_into_old(t: Tensors, lay: OFTLayout, weight: torch.Tensor, m: float, reference: bool) -> None:
+    _merge_into(t[OLD_R], t, weight, m, reference)
 
 
 ALGORITHM = Algorithm(
     name="diag-oft", label="Diag-OFT", markers=(BLOCKS,), marker_ndim=3, keys=(BLOCKS, RESCALE),
-    layout=layout, merged=merged,
+    layout=layout, merge_into=merge_into,
 )
 OLD_ALGORITHM = Algorithm(
     name="oft-diag-v2", label="Diag-OFT (LyCORIS 2.0)", markers=(OLD_R,), keys=(OLD_R,),
-    layout=layout_old, merged=merged_old, uses_alpha=False,
+    layout=layout_old, merge_into=merge_into_old, uses_alpha=False,
 )
