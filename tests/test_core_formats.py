@@ -482,3 +482,18 @@ def test_two_keys_meaning_the_same_tensor_are_refused(tmp_path):
         lycoris_core.load(path)
     assert path.name in str(error.value)
     assert any(key in str(error.value) for key in ("m.lora_up.weight", "m.lora_B.weight"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn,
+                                   torch.float8_e5m2])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None])
+@pytest.mark.parametrize("where", [0, 777, -1])
+def test_all_finite_finds_any_bad_value(dtype, bad, where):
+    """The load-time value check, for every float dtype a file may hold (fp8 files crashed it before)."""
+    from lycoris_nodes.lycoris_core.lycoris_file import all_finite
+
+    values = torch.randn(1000, generator=torch.Generator().manual_seed(where % 7)).to(dtype)
+    if bad is not None:
+        values[where] = torch.tensor(bad).to(dtype)  # e4m3fn has no infinity: ±inf becomes NaN there
+    finite = bool(torch.isfinite(values.double()).all())  # the elementwise truth
+    assert all_finite(values) is finite and finite is (bad is None)
