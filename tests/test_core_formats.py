@@ -7,6 +7,7 @@ one key is at fault), and pickles must never be unpickled.
 """
 
 import json
+import math
 import pickle
 import struct
 import sys
@@ -494,6 +495,7 @@ def test_all_finite_finds_any_bad_value(dtype, bad, where):
 
     values = torch.randn(1000, generator=torch.Generator().manual_seed(where % 7)).to(dtype)
     if bad is not None:
-        values[where] = torch.tensor(bad).to(dtype)  # e4m3fn has no infinity: ±inf becomes NaN there
+        values[where] = torch.tensor(bad).to(dtype)  # e4m3fn has no infinity: ±inf saturates to ±448 there
     finite = bool(torch.isfinite(values.double()).all())  # the elementwise truth
-    assert all_finite(values) is finite and finite is (bad is None)
+    assert all_finite(values) is finite
+    assert finite is (bad is None or (dtype == torch.float8_e4m3fn and not math.isnan(bad)))
