@@ -221,49 +221,43 @@ def test_auto_bypasses_only_non_float_weights(reference_files, bases, dtype, exp
     assert (bypassed, len(clone.patches)) == ((targets, 0) if expected else (0, targets))
 
 
-def test_stacked_bypass_in_order_equals_chained_merge(reference_files, bases):
-    """Two files on the same layers, each with its own key: bypass applies them in order like chained merges do,
-    including a change that depends on W (GLoRA after LoCon sees W + ΔW_locon)."""
+def chained_outputs(reference_files, bases, modes: tuple[str, str]) -> tuple[dict, list[str], list[int]]:
+    """LoCon at 1 then GLoRA (whose change reads W) at 0.5 on the same layers, applied in `modes`: the layers'
+    outputs, those layers, and how many of GLoRA's patches ran in bypass."""
     first, second = reference_files["locon"], reference_files["glora"]
     net = factory_model(bases[torch.float32], torch.float32)
     base = patcher(net)
     p1, _ = lycoris_patches(load(first.path), net, FACTORY_KEY_MAP)
     p2, _ = lycoris_patches(load(second.path), net, FACTORY_KEY_MAP)
     layers = [n for n in weight_layers(second.variant) if n in first.variant.layers]
-    outputs = {}
-    for mode in ("merge", "bypass"):
-        one, _ = patched_clone(base, p1, 1.0, apply_mode=mode, key="one")
-        two, _ = patched_clone(one, p2, 0.5, apply_mode=mode, key="two")
-        full_load(two)
-        outputs[mode] = {n: getattr(net, n)(probe(n).float()).double() for n in layers}
-        two.detach()
-        two.unpatch_model(base.offload_device)
+    one, _ = patched_clone(base, p1, 1.0, apply_mode=modes[0], key="one")
+    two, bypassed = patched_clone(one, p2, 0.5, apply_mode=modes[1], key="two")
+    full_load(two)
+    outputs = {n: getattr(net, n)(probe(n).float()).double() for n in layers}
+    two.detach()
+    two.unpatch_model(base.offload_device)
+    return outputs, layers, bypassed
+
+
+def test_stacked_bypass_in_order_equals_chained_merge(reference_files, bases):
+    """Two files on the same layers, each with its own key: bypass applies them in order like chained merges do,
+    including a change that depends on W (GLoRA after LoCon sees W + ΔW_locon)."""
+    merged, layers, _ = chained_outputs(reference_files, bases, ("merge", "merge"))
+    bypassed, _, _ = chained_outputs(reference_files, bases, ("bypass", "bypass"))
     for n in layers:
-        y_base = second.y_base[torch.float32][n]
-        assert not torch.allclose(outputs["merge"][n], y_base)
-        assert_close_to_truth(outputs["bypass"][n], outputs["merge"][n], y_base, 0.0, n)
+        y_base = reference_files["glora"].y_base[torch.float32][n]
+        assert not torch.allclose(merged[n], y_base)
+        assert_close_to_truth(bypassed[n], merged[n], y_base, 0.0, n)
 
 
 def test_weight_reader_merged_after_a_bypassed_file_runs_after_it(reference_files, bases):
     """A file whose change reads W, merged after a bypassed file on the same layers, could not see that file's change
     in the weight; it is bypassed too (kept in order), so the result is still the two chained merges."""
-    first, second = reference_files["locon"], reference_files["glora"]
-    net = factory_model(bases[torch.float32], torch.float32)
-    base = patcher(net)
-    p1, _ = lycoris_patches(load(first.path), net, FACTORY_KEY_MAP)
-    p2, _ = lycoris_patches(load(second.path), net, FACTORY_KEY_MAP)
-    layers = [n for n in weight_layers(second.variant) if n in first.variant.layers]
-    outputs = {}
-    for first_mode in ("merge", "bypass"):
-        one, _ = patched_clone(base, p1, 1.0, apply_mode=first_mode, key="one")
-        two, bypassed = patched_clone(one, p2, 0.5, apply_mode="merge", key="two")
-        assert bypassed == (len(layers) if first_mode == "bypass" else 0)
-        full_load(two)
-        outputs[first_mode] = {n: getattr(net, n)(probe(n).float()).double() for n in layers}
-        two.detach()
-        two.unpatch_model(base.offload_device)
+    merged, layers, none = chained_outputs(reference_files, bases, ("merge", "merge"))
+    mixed, _, moved = chained_outputs(reference_files, bases, ("bypass", "merge"))
+    assert (none, moved) == (0, len(layers))
     for n in layers:
-        assert_close_to_truth(outputs["bypass"][n], outputs["merge"][n], second.y_base[torch.float32][n], 0.0, n)
+        assert_close_to_truth(mixed[n], merged[n], reference_files["glora"].y_base[torch.float32][n], 0.0, n)
 
 
 class PackedTensor(torch.Tensor):
