@@ -59,10 +59,11 @@ _FP8_SLICE = 1 << 22
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN or Inf. min and max propagate NaN and are ±Inf when any value is, and one fused reduction is ~70×
-    faster than an elementwise isfinite on CPU fp16/bf16 (this check reads every byte of every file loaded)."""
+    """No NaN or Inf. min and max propagate NaN and are ±Inf when any value is, and one fused reduction over the
+    flattened tensor is ~10× faster than an elementwise isfinite on CPU fp16/bf16 (and ~100× faster than the same
+    reduction over a 2-D/4-D view): this check reads every byte of every file loaded."""
     if tensor.dtype in _MINMAX_DTYPES:
-        return all(bool(torch.isfinite(bound)) for bound in torch.aminmax(tensor))
+        return all(bool(torch.isfinite(bound)) for bound in torch.aminmax(tensor.reshape(-1)))
     # fp8 has neither kernel on CPU: widen a slice at a time (a whole fp32 copy could be 4× the file)
     return all(bool(torch.isfinite(part.float()).all()) for part in tensor.reshape(-1).split(_FP8_SLICE))
 
