@@ -7,16 +7,18 @@ is half-applied: every module is checked against its target weight before any pa
 import difflib
 import logging
 import uuid
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
 import comfy.lora
+import torch
 
 from ..lycoris_core import LycorisError, LycorisFile, Module, Plan
 from ..lycoris_core.block_weights import BlockWeights
 from ..lycoris_core.summary import declared_family, family_id, infer_family
 from .adapter import LycorisAdapter
-from .bypass import bypassed_layers, contribution, injection, wants_bypass
+from .bypass import bypassed_layers, contribution, injection, layer_name, wants_bypass
 
 log = logging.getLogger("lycoris_nodes")
 
@@ -195,18 +197,35 @@ def model_family(model) -> str | None:
     return type(config).__name__ if config is not None else None
 
 
+# Per model object: its LoRA key map and weight shapes. Building them walks the whole state dict and, for UNets,
+# ComfyUI's diffusers name table (~10 ms on SDXL, most of a bypass strength change). A loaded model never changes
+# its layers, and clones share the model object, so a weak cache by identity is exact and dies with the model.
+_key_maps: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_shapes: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
 def model_shapes(module) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    if module not in _shapes:
+        _shapes[module] = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    return _shapes[module]
+
+
+def lora_key_map(module, is_clip: bool) -> dict:
+    """ComfyUI's own map from file prefixes to this model's weight keys (model_lora_keys_unet / _clip)."""
+    if module not in _key_maps:
+        build = comfy.lora.model_lora_keys_clip if is_clip else comfy.lora.model_lora_keys_unet
+        _key_maps[module] = build(module, {})
+    return _key_maps[module]
 
 
 def map_file(lfile: LycorisFile, model, clip, reference: bool) -> tuple[dict[str, dict], ApplyReport]:
     """Patches per side and the coverage report for this file on this model/clip (nothing is patched yet)."""
     key_map, shapes = {}, {}
     if model is not None:
-        key_map = comfy.lora.model_lora_keys_unet(model.model, key_map)
+        key_map.update(lora_key_map(model.model, is_clip=False))
         shapes["model"] = model_shapes(model.model)
     if clip is not None:
-        key_map = comfy.lora.model_lora_keys_clip(clip.cond_stage_model, key_map)
+        key_map.update(lora_key_map(clip.cond_stage_model, is_clip=True))
         shapes["clip"] = model_shapes(clip.cond_stage_model)
     patches, report = build_patches(lfile, key_map, shapes, reference)
     report.verdict = family_verdict(lfile, report, model_family(model))
@@ -218,7 +237,7 @@ def map_file(lfile: LycorisFile, model, clip, reference: bool) -> tuple[dict[str
 def patcher_patches(lfile: LycorisFile, patcher, is_clip: bool, reference: bool) -> tuple[dict, ApplyReport]:
     """Patches for one ModelPatcher (a diffusion model's, or a CLIP's `.patcher`), as hooks receive them."""
     root = patcher.model
-    key_map = (comfy.lora.model_lora_keys_clip if is_clip else comfy.lora.model_lora_keys_unet)(root, {})
+    key_map = lora_key_map(root, is_clip)
     side = "clip" if is_clip else "model"
     patches, report = build_patches(lfile, key_map, {side: model_shapes(root)}, reference)
     return patches[side], report
@@ -272,6 +291,10 @@ def is_off(strength: float, reference: bool) -> bool:
     return strength == 0 and not reference
 
 
+def _weight_key(patch_key) -> str:
+    return patch_key if isinstance(patch_key, str) else patch_key[0]
+
+
 def patched_clone(target, patches: dict, strength: float, weights: BlockWeights | None = None,
                   apply_mode: str = "merge", key: str | None = None, file: str = "") -> tuple[object, int]:
     """(a clone of `target` (MODEL or CLIP) carrying `patches` at `strength` × block weight, patches bypassed).
@@ -281,10 +304,12 @@ def patched_clone(target, patches: dict, strength: float, weights: BlockWeights 
     patcher = getattr(patched, "patcher", patched)  # a CLIP keeps its ModelPatcher in .patcher
     refused, bypassed = [], []
     before = bypassed_layers(patcher)
+    # merge with no bypassed file before it: nothing can be bypassed, so skip the per-layer look-up
+    modules = dict(patcher.model.named_modules()) if apply_mode != "merge" or before else {}
     for weight, group in by_block_weight(patches, weights or BlockWeights()).items():
-        to_bypass = {k for k, a in group.items() if wants_bypass(apply_mode, patcher.model, k, a.plan, before)}
-        bypassed += [(k if isinstance(k, str) else k[0], contribution(group[k], k, strength * weight))
-                     for k in group if k in to_bypass]
+        to_bypass = {k for k, a in group.items() if modules
+                     and wants_bypass(apply_mode, modules.get(layer_name(_weight_key(k))), k, a.plan, before)}
+        bypassed += [(_weight_key(k), contribution(group[k], k, strength * weight)) for k in group if k in to_bypass]
         to_merge = {k: a for k, a in group.items() if k not in to_bypass}
         if to_merge:
             accepted = set(patched.add_patches(to_merge, strength * weight))
@@ -294,7 +319,7 @@ def patched_clone(target, patches: dict, strength: float, weights: BlockWeights 
         raise LycorisError(f"ComfyUI refused {len(refused)} patches, e.g. {refused[0]}", file=file)
     if bypassed:
         key = key or f"lycoris:{uuid.uuid4().hex}"
-        patcher.set_injections(key, [injection(key, bypassed)])
+        patcher.set_injections(key, [injection(key, bypassed, patcher.model, modules)])
     return patched, len(bypassed)
 
 

@@ -106,22 +106,33 @@ class BypassLayer:
             delattr(self.layer, _ATTRIBUTE)
 
 
+def layer_name(weight_key: str) -> str:
+    return weight_key.rsplit(".", 1)[0]
+
+
 def _layer(root: torch.nn.Module, weight_key: str) -> torch.nn.Module:
-    return root.get_submodule(weight_key.rsplit(".", 1)[0])
+    return root.get_submodule(layer_name(weight_key))
 
 
-def injection(key: str, entries: list[tuple[str, Contribution]]) -> PatcherInjection:
-    """One injection installing `entries` ((weight key, contribution), in order) on the patcher's model."""
+def injection(key: str, entries: list[tuple[str, Contribution]], root: torch.nn.Module,
+              modules: dict[str, torch.nn.Module]) -> PatcherInjection:
+    """One injection installing `entries` ((weight key, contribution), in order) on the patcher's model. The layers
+    are looked up once, in `root`'s `modules` (clones share their model object); another model is looked up again."""
+    resolved = {id(root): [modules[layer_name(weight_key)] for weight_key, _ in entries]}
+
+    def layers(patcher) -> list[torch.nn.Module]:
+        if id(patcher.model) not in resolved:
+            resolved[id(patcher.model)] = [_layer(patcher.model, weight_key) for weight_key, _ in entries]
+        return resolved[id(patcher.model)]
 
     def inject(patcher) -> None:
-        for i, (weight_key, contribution) in enumerate(entries):
-            layer = _layer(patcher.model, weight_key)
+        for i, (layer, (_, contribution)) in enumerate(zip(layers(patcher), entries)):
             BypassLayer.on(layer, layer_op(layer)).entries[(key, i)] = contribution
 
     def eject(patcher) -> None:
         # ComfyUI may eject a clone that copied its `is_injected` flag without ever injecting: remove only ours.
-        for i, (weight_key, contribution) in enumerate(entries):
-            bypass = _layer(patcher.model, weight_key).__dict__.get(_ATTRIBUTE)
+        for i, (layer, (_, contribution)) in enumerate(zip(layers(patcher), entries)):
+            bypass = layer.__dict__.get(_ATTRIBUTE)
             if bypass is not None:
                 bypass.remove((key, i), contribution)
 
@@ -136,8 +147,8 @@ def bypassed_layers(patcher) -> frozenset[str]:
                                for injection in injections))
 
 
-def wants_bypass(mode: str, root: torch.nn.Module, patch_key, plan, bypassed_before: frozenset[str] = frozenset()
-                 ) -> bool:
+def wants_bypass(mode: str, layer: torch.nn.Module | None, patch_key, plan,
+                 bypassed_before: frozenset[str] = frozenset()) -> bool:
     """Whether this target is bypassed: in bypass mode, every Linear/Conv weight (whole or a row slice of a fused
     weight); in auto, those whose weight is not plain float (fp8, quantized, GGUF); in merge, none, except a change
     that reads W on a layer an earlier file bypasses: merged, it would not see that file's change (the weight does
@@ -147,7 +158,6 @@ def wants_bypass(mode: str, root: torch.nn.Module, patch_key, plan, bypassed_bef
         return False
     if not isinstance(patch_key, str) and (patch_key[1][0] != 0 or len(patch_key) > 2):
         return False  # only output-row slices map onto output channels; a convert function needs the weight
-    layer = _layer(root, key)
     if layer_op(layer) is None:
         return False
     if reads_weight(plan):

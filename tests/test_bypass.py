@@ -272,5 +272,5 @@ def test_unreadable_weight_bypasses_only_what_needs_no_weight(reference_files, b
     net = factory_model(bases[torch.float32], torch.float32)
     patches, _ = lycoris_patches(load(generated.path), net, FACTORY_KEY_MAP)
     net.linear_b.weight = torch.nn.Parameter(net.linear_b.weight.data.as_subclass(PackedTensor), requires_grad=False)
-    assert wants_bypass("auto", net, "linear_b.weight", patches["linear_b.weight"].plan) is expected
-    assert wants_bypass("bypass", net, "linear_b.weight", patches["linear_b.weight"].plan) is expected
+    assert wants_bypass("auto", net.linear_b, "linear_b.weight", patches["linear_b.weight"].plan) is expected
+    assert wants_bypass("bypass", net.linear_b, "linear_b.weight", patches["linear_b.weight"].plan) is expected
