@@ -38,15 +38,16 @@ import unet_shapes
 from lycoris_nodes.lycoris_core import parse_state_dict
 from lycoris_nodes.nodes.apply import apply_file, build_patches
 
+ALL_ROWS = "1,2,3,4,5"
 CPU = torch.device("cpu")
 FP16 = torch.float16
 SETTINGS = {
     # merge models and every how many-th of their weights, repeats, layers of the small model, tokens per forward,
-    # model and LoCon rank of the load file
+    # model and LoCon rank of the load file, fresh processes per loader
     "full": {"merge_models": ("sd15", "sdxl"), "merge_stride": 1, "repeats": 3, "layers": 50, "tokens": 256,
-             "load_model": "sdxl", "load_rank": 160},
-    "quick": {"merge_models": ("sd15",), "merge_stride": 3, "repeats": 3, "layers": 10, "tokens": 128,
-              "load_model": "sd15", "load_rank": 128},
+             "load_model": "sdxl", "load_rank": 160, "load_repeats": 3},
+    "quick": {"merge_models": ("sd15",), "merge_stride": 4, "repeats": 3, "layers": 10, "tokens": 64,
+              "load_model": "sd15", "load_rank": 128, "load_repeats": 2},
 }
 
 
@@ -117,14 +118,19 @@ def calc(patch, weight: torch.Tensor, key: str) -> torch.Tensor:
     return comfy.lora.calculate_weight([(1.0, patch, 1.0, None, None)], weight, key)
 
 
-def merge_pass(patches: dict, shapes: dict, weights: Weights) -> float:
-    total = 0.0
-    for key, shape in shapes.items():
-        temp = weights.original(shape).to(torch.float32, copy=True)  # fresh fp32 copy, outside the timed region
-        start = time.perf_counter()
-        calc(patches[key], temp, key)
-        total += time.perf_counter() - start
-    return total
+def merge_times(patch_sets: dict[str, dict], shapes: dict, weights: Weights, repeats: int) -> dict[str, float]:
+    """Median over `repeats` passes of the summed per-key time of each patch set. The sets take turns key by key
+    (first one, then the other, swapped every pass), so a burst of load from another process hits both alike."""
+    totals = {name: [0.0] * repeats for name in patch_sets}
+    for rep in range(repeats):
+        order = list(patch_sets) if rep % 2 == 0 else list(reversed(patch_sets))
+        for key, shape in shapes.items():
+            for name in order:
+                temp = weights.original(shape).to(torch.float32, copy=True)  # fresh fp32 copy, not timed
+                start = time.perf_counter()
+                calc(patch_sets[name][key], temp, key)
+                totals[name][rep] += time.perf_counter() - start
+    return {name: median(values) for name, values in totals.items()}
 
 
 def agreement(builtin: dict, ours: dict, shapes: dict, weights: Weights) -> tuple[float, int]:
@@ -166,21 +172,19 @@ def merge_rows(model: str, stride: int, repeats: int, machine: dict) -> list[Row
         sd = files.state_dict(algo, shapes, key_map, seed=i)
         builtin, ours = builtin_patches(sd, key_map), our_patches(sd, f"{algo}.safetensors", key_map, shapes)
         assert set(builtin) == set(ours) == set(shapes), "both loaders must patch every weight"
-        times = {"builtin": [], "ours": []}
         errors = ADAPTER_ERRORS.count
-        for _ in range(repeats):
-            times["builtin"].append(merge_pass(builtin, shapes, weights))
-            times["ours"].append(merge_pass(ours, shapes, weights))
+        times = merge_times({"builtin": builtin, "ours": ours}, shapes, weights, repeats)
         worst, unchanged = agreement(builtin, ours, shapes, weights)
         errors = ADAPTER_ERRORS.count - errors
         floor = 0.0
         for prefix, tensors in by_prefix(sd).items():
             moved, flops = files.work(algo, shapes[key_map[prefix]], tensors)
             floor += max(moved / machine["bandwidth"], flops / machine["flops"])
-        ours_s, builtin_s = median(times["ours"]), median(times["builtin"])
+        ours_s, builtin_s = times["ours"], times["builtin"]
         subset = "" if stride == 1 else f" of {len(every)}"
         note = (f"{len(shapes)}{subset} weights, file {files.file_bytes(sd) / 1e6:.0f} MB, floor={floor:.4g}s "
                 f"ours/floor={ours_s / floor:.2f}, ours vs builtin rel.diff {worst:.1e}"
+                + (" (expected: ComfyUI's DoRA divides by the norm of W, not W+dW)" if "dora" in algo else "")
                 + failure_note(errors, unchanged))
         rows.append(Row(f"merge {model} {algo}", ours_s, builtin_s, "<=0.5,<=2xfloor", 0.5, note=note,
                         also_ok=ours_s <= 2 * floor, comparable=not (errors or unchanged)))
@@ -426,21 +430,23 @@ def load_rows(model: str, rank: int, repeats: int) -> list[Row]:
 
 # ---- output ------------------------------------------------------------------------------------------------------
 
-def write_table(rows: list[Row], quick: bool, machine: dict, spent: tuple[float, float], load: tuple[float, float]
-                ) -> str:
+def write_table(rows: list[Row], opts, machine: dict, spent: tuple[float, float], load: tuple[float, float]) -> str:
+    quick = opts.quick
     path = BENCH / ("results-quick.md" if quick else "results.md")
+    rows_arg = "" if opts.rows == ALL_ROWS else f" --rows {opts.rows}"
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
                platform.processor())
-    header = (f"`python bench/run.py{' --quick' if quick else ''}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
+    command = f"python bench/run.py{' --quick' if quick else ''}{rows_arg}"
+    header = (f"`{command}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
               f"{os.cpu_count()} CPUs ({cpu}), torch {torch.__version__} ({torch.get_num_threads()} threads), "
-              f"ComfyUI {comfy_version()}, Python {platform.python_version()}; {spent[0] / 60:.1f} min in all "
-              f"({spent[1] / 60:.1f} CPU-min; 1-min load average {load[0]:.1f} at the start, {load[1]:.1f} at the "
-              f"end: other processes shared these CPUs). "
+              f"ComfyUI {comfy_version()}, Python {platform.python_version()}; {spent[0] / 60:.1f} min in all, "
+              f"{spent[1] / 60:.1f} CPU-min. 1-min load average {load[0]:.1f} before the run (other processes) and "
+              f"{load[1]:.1f} at its end (this run included). "
               f"Measured copy bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s (read+write), "
               f"fp32 matmul {machine['flops'] / 1e9:.0f} GFLOP/s.")
     lines = [
-        f"# Benchmark results{' (--quick)' if quick else ''}",
+        f"# Benchmark results{' (--quick)' if quick else ''}{' (some rows only)' if rows_arg else ''}",
         "",
         header,
         "",
@@ -466,8 +472,7 @@ def comfy_version() -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller version, under 5 minutes on 2 cores")
-    parser.add_argument("--rows", default="1,2,3,4,5",
-                        help="comma-separated rows to run (default: all; the table file is written only for all)")
+    parser.add_argument("--rows", default=ALL_ROWS, help="comma-separated rows to run (default: all)")
     opts = parser.parse_args(argv)
     which = {int(x) for x in opts.rows.split(",")}
     cfg = SETTINGS["quick" if opts.quick else "full"]
@@ -500,11 +505,9 @@ def main(argv=None) -> int:
                 gc.collect()
         if 5 in which:
             with section("row 5", spent):
-                rows += load_rows(cfg["load_model"], cfg["load_rank"], cfg["repeats"])
-    if which == {1, 2, 3, 4, 5}:
-        log(f"table written to {write_table(rows, opts.quick, machine, spent['all'], (load_before, os.getloadavg()[0]))}")
-    else:
-        log("table not written: only some rows were run")
+                rows += load_rows(cfg["load_model"], cfg["load_rank"], cfg["load_repeats"])
+    table = write_table(rows, opts, machine, spent["all"], (load_before, os.getloadavg()[0]))
+    log(f"table written to {table}")
     return 0
 
 

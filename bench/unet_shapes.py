@@ -11,8 +11,9 @@ import torch
 COMMON = {"use_checkpoint": False, "image_size": 32, "in_channels": 4, "out_channels": 4,
           "use_spatial_transformer": True, "legacy": False, "use_temporal_resblock": False}
 ARCHITECTURE = {
-    "sd15": {"num_res_blocks": [2, 2, 2, 2], "channel_mult": [1, 2, 4, 4], "transformer_depth": [1, 1, 1, 1, 1, 1, 0, 0],
-             "transformer_depth_middle": 1, "transformer_depth_output": [1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0]},
+    "sd15": {"num_res_blocks": [2, 2, 2, 2], "channel_mult": [1, 2, 4, 4],
+             "transformer_depth": [1, 1, 1, 1, 1, 1, 0, 0], "transformer_depth_middle": 1,
+             "transformer_depth_output": [1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0]},
     "sdxl": {"num_classes": "sequential", "num_res_blocks": [2, 2, 2], "channel_mult": [1, 2, 4],
              "transformer_depth_middle": 10, "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10],
              "num_head_channels": 64},
