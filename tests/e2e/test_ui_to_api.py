@@ -107,4 +107,4 @@ def test_example_workflow_is_a_valid_ui_graph():
         assert dst["inputs"][target_slot]["link"] == link_id
         assert src["outputs"][origin_slot]["type"] == dst["inputs"][target_slot]["type"] == kind
     (loader,) = [n for n in workflow["nodes"] if n["type"] == "LycorisLoader"]
-    assert loader["widgets_values"] == ["demo_lokr_dora.safetensors", 1.0, 1.0, "linear"]
+    assert loader["widgets_values"] == ["demo_lokr_dora.safetensors", 1.0, 1.0, "linear", "merge"]
