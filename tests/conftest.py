@@ -39,3 +39,14 @@ def bases():
     from reference.lycoris_factory import Lazy, base_params
 
     return Lazy(base_params)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny tensors: with two busy cores, thread hand-offs cost ~10× the maths."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -63,13 +63,7 @@ def _cases():
                                        id=f"{variant.id}-{_name(dtype)}-m{strength:+g}-{semantics}")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: with two busy cores, intra-op thread hand-offs cost ~10× the maths."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: thread hand-offs cost more than the maths
 
 
 

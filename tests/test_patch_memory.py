@@ -64,13 +64,7 @@ class Temporaries(TorchDispatchMode):
         return out
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: with two busy cores, intra-op thread hand-offs cost more than the maths."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: thread hand-offs cost more than the maths
 
 
 def counted_apply(plan, tensors, weight, strength, function=None, intermediate_dtype=None) -> Temporaries:
