@@ -91,6 +91,9 @@ def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state
     modules: dict[str, Module] = {}
     for prefix, group in groups.items():
         built, leftover = build_modules(prefix, group, name)
+        if checked is not None:  # reading alpha faulted in the pages around it, mostly this module's own tensors
+            for tensor in group.values():
+                checked(tensor)
         reason = f"not read by {built[0].label}" if built else "no LyCORIS algorithm uses this combination of keys"
         unused += [UnusedKey(f"{prefix}.{suffix}", reason) for suffix in leftover]
         for module in built:
@@ -104,4 +107,6 @@ def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state
 def load(path: str | os.PathLike) -> LycorisFile:
     """Read and check a .safetensors file (memory-mapped; tensors stay views of the file until patched)."""
     reader = SafetensorsFile(path)
-    return parse_state_dict(reader.tensors(), reader.name, reader.metadata, checked=reader.release)
+    parsed = parse_state_dict(reader.tensors(), reader.name, reader.metadata, checked=reader.release)
+    reader.release_all()
+    return parsed

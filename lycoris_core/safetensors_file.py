@@ -136,6 +136,12 @@ class SafetensorsFile:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {key: self.tensor(key) for key in self.entries}
 
+    def release_all(self) -> None:
+        """`release` for the whole map: reading a scalar (alpha) faults in the pages around it too (the kernel's
+        fault-around), which for a file of many modules adds up to a good part of it."""
+        if self._map is not None and hasattr(self._map, "madvise") and len(self._map):
+            self._map.madvise(mmap.MADV_DONTNEED)
+
     def release(self, tensor: torch.Tensor) -> None:
         """Let the OS take back the pages of a tensor of this map once it has been read (checked at load): they
         leave this process's resident memory but stay in the page cache, and the next read faults them back in

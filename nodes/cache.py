@@ -117,7 +117,9 @@ def read(path: str | os.PathLike) -> LycorisFile:
     reader = SafetensorsFile(path)
     state_dict = comfy.lora_convert.convert_lora(reader.tensors())
     # Each tensor's pages are released once checked: a file in the cache costs page cache, not resident memory.
-    return parse_state_dict(state_dict, reader.name, reader.metadata, checked=reader.release)
+    parsed = parse_state_dict(state_dict, reader.name, reader.metadata, checked=reader.release)
+    reader.release_all()
+    return parsed
 
 
 def _total_locked() -> int:
