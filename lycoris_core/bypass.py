@@ -103,7 +103,7 @@ def _factored_locon(c: Contribution, op: LayerOp, x: torch.Tensor, weight_shape:
 
 
 def _add(y: torch.Tensor, h: torch.Tensor, rows: tuple[int, int] | None, channel_dim: int) -> torch.Tensor:
-    h = h.to(y.dtype)
+    h = cast(h, y.device, y.dtype)
     if rows is None:
         return y + h
     y = y.clone()

@@ -22,9 +22,10 @@ def compute_dtype(intermediate_dtype: torch.dtype | None = None) -> torch.dtype:
     return torch.float32
 
 
-def cast(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """`tensor` on `device` in `dtype`; a new tensor whenever anything changes, the same one otherwise."""
-    return tensor.to(device=device, dtype=dtype)
+def cast(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
+    """`tensor` on `device` in `dtype`; a new tensor whenever anything changes (or `copy` is asked), the same one
+    otherwise."""
+    return tensor.to(device=device, dtype=dtype, copy=copy)
 
 
 def cast_all(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,

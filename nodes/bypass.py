@@ -61,7 +61,7 @@ def float_weight(layer: torch.nn.Module, device: torch.device) -> torch.Tensor:
         weight = weight.dequantize()
     functions = getattr(layer, "weight_function", None)
     if functions:  # as comfy.ops.cast_bias_weight: on a copy, the functions may work in place
-        weight = weight.to(device=device, dtype=torch.float32, copy=True)
+        weight = cast(weight, device, torch.float32, copy=True)
         for function in functions:
             weight = function(weight)
         if isinstance(weight, QuantizedTensor):
