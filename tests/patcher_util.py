@@ -7,6 +7,7 @@ from functools import cache
 
 import comfy.model_patcher
 import comfy.ops
+import pytest
 import torch
 from lycoris_nodes.lycoris_core import parse_state_dict
 from lycoris_nodes.nodes.apply import build_patches
@@ -156,3 +157,8 @@ def factory_model(params: dict, dtype: torch.dtype) -> torch.nn.Module:
             set_param(layer, "bias", params[name]["bias"], dtype)
         net.add_module(name, layer)
     return net.requires_grad_(False)
+
+
+def variant_dtype_params(variant_ids, dtypes) -> list:
+    """pytest params (variant_id, dtype) for a table of factory variants × base dtypes, with readable ids."""
+    return [pytest.param(v, d, id=f"{v}-{str(d).removeprefix('torch.')}") for v in variant_ids for d in dtypes]

@@ -35,6 +35,7 @@ from patcher_util import (
     offload,
     patcher,
     snapshot,
+    variant_dtype_params,
 )
 from reference.lycoris_factory import LAYER, VARIANTS, functional_forward, probe
 
@@ -68,13 +69,7 @@ def assert_close_to_truth(y: torch.Tensor, truth: torch.Tensor, y_base: torch.Te
     assert error <= allowed, f"{what}: ‖error‖ {error:.3g} > {allowed:.3g}"
 
 
-def _cases():
-    for variant_id in TABLE:
-        for dtype in BASE_DTYPES:
-            yield pytest.param(variant_id, dtype, id=f"{variant_id}-{str(dtype).removeprefix('torch.')}")
-
-
-@pytest.mark.parametrize("variant_id,dtype", list(_cases()))
+@pytest.mark.parametrize("variant_id,dtype", variant_dtype_params(TABLE, BASE_DTYPES))
 def test_bypass_matches_reference(reference_files, bases, variant_id, dtype):
     generated = reference_files[variant_id]
     variant = generated.variant

@@ -398,6 +398,19 @@ def counters(monkeypatch):
     return counts
 
 
+def denoise_loaded(clone, load, conds, check=None):
+    """Load `clone` with `load` (full_load/offload) in inference mode, as ComfyUI does (the cached file's tensors are
+    inference tensors), run `check(clone)` if given, take one UNet evaluation, and unpatch again."""
+    with torch.inference_mode():
+        load(clone)
+    try:
+        if check is not None:
+            check(clone)
+        return denoise(clone, conds)
+    finally:
+        clone.unpatch_model(CPU)
+
+
 def denoise(model_patcher, conds):
     """One UNet evaluation on the patcher's model as it is loaded now (no load_models_gpu, so offload stays)."""
     x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(5)) * 3
@@ -602,20 +615,16 @@ def test_offloaded_bypass_equals_merge(sd15, kinds, loras, conds):
     merged, _ = loader(model, None, name, 1.5, mode="merge")
     bypassed, _ = loader(model, None, name, 1.5, mode="bypass", uid="71")
     comfy.model_management.unload_all_models()
-    results = {}
-    for label, clone, load in (("base", model, offload), ("full merge", merged, full_load),
-                               ("offloaded merge", merged, offload), ("offloaded bypass", bypassed, offload)):
-        with torch.inference_mode():  # as in ComfyUI (the cached file's tensors are inference tensors)
-            load(clone)
-        try:
-            proj_out = model.model.get_submodule(UKEYS[PROJ_OUT].removesuffix(".weight"))
-            if load is offload and clone is not model:
-                assert proj_out.comfy_cast_weights and lowvram_patched(proj_out, "bias")  # the bias diff: merged
-                assert lowvram_patched(proj_out) == (clone is merged)
-                assert (ATTRIBUTE in proj_out.__dict__) == (clone is bypassed)
-            results[label] = denoise(clone, conds)
-        finally:
-            clone.unpatch_model(CPU)
+    proj_out = model.model.get_submodule(UKEYS[PROJ_OUT].removesuffix(".weight"))
+
+    def offloaded_as_expected(clone):
+        assert proj_out.comfy_cast_weights and lowvram_patched(proj_out, "bias")  # the bias diff: merged
+        assert lowvram_patched(proj_out) == (clone is merged)
+        assert (ATTRIBUTE in proj_out.__dict__) == (clone is bypassed)
+
+    results = {label: denoise_loaded(clone, load, conds, offloaded_as_expected if label.startswith("offloaded") else None)
+               for label, clone, load in (("base", model, offload), ("full merge", merged, full_load),
+                                          ("offloaded merge", merged, offload), ("offloaded bypass", bypassed, offload))}
     assert_no_bypass_left(model.model)
     assert_matches(results["offloaded merge"], results["full merge"], results["base"], "offloaded merge")
     assert_matches(results["offloaded bypass"], results["full merge"], results["base"], "offloaded bypass")
@@ -635,15 +644,9 @@ def test_bypassed_reader_after_a_merged_file_offloaded(sd15, kinds, loras, conds
     mixed, _ = loader(m1, None, b, 1.25, mode="bypass", uid="92")
     assert set(mixed.patches) == set(m1.patches) and set(mixed.injections) == {"lycoris:92"}
     comfy.model_management.unload_all_models()
-    results = {}
-    for label, clone, load in (("base", model, offload), ("truth", both_merged, full_load),
-                               ("full", mixed, full_load), ("offloaded", mixed, offload)):
-        with torch.inference_mode():  # as in ComfyUI (the cached file's tensors are inference tensors)
-            load(clone)
-        try:
-            results[label] = denoise(clone, conds)
-        finally:
-            clone.unpatch_model(CPU)
+    results = {label: denoise_loaded(clone, load, conds)
+               for label, clone, load in (("base", model, offload), ("truth", both_merged, full_load),
+                                          ("full", mixed, full_load), ("offloaded", mixed, offload))}
     assert_no_bypass_left(model.model)
     assert_matches(results["full"], results["truth"], results["base"], "merged then bypassed, full load")
     assert_matches(results["offloaded"], results["truth"], results["base"], "merged then bypassed, offloaded")

@@ -44,6 +44,7 @@ from patcher_util import (
     offload,
     patcher,
     snapshot,
+    variant_dtype_params,
 )
 from reference.lycoris_factory import (
     BY_ID,
@@ -123,13 +124,7 @@ def check_layer(name, layer, truth, y_base, before, compute_dtype, held_in, what
     return failures
 
 
-def _cases():
-    for variant_id in TABLE:
-        for dtype in BASE_DTYPES:
-            yield pytest.param(variant_id, dtype, id=f"{variant_id}-{str(dtype).removeprefix('torch.')}")
-
-
-@pytest.mark.parametrize("variant_id,dtype", list(_cases()))
+@pytest.mark.parametrize("variant_id,dtype", variant_dtype_params(TABLE, BASE_DTYPES))
 def test_reference_table_through_model_patcher(reference_files, bases, variant_id, dtype):
     generated = reference_files[variant_id]
     variant = generated.variant
