@@ -8,7 +8,7 @@ from ..lycoris_core.summary import summarize
 from . import cache
 from .apply import map_file
 from .loaders import CATEGORY, lycoris_input, lycoris_path
-from .report import block_changes, payload, roots_of
+from .report import block_changes, patchers_of, payload
 
 
 class LycorisInfo(io.ComfyNode):
@@ -52,7 +52,7 @@ class LycorisInfo(io.ComfyNode):
         coverage_text = "{}"
         if model is not None or clip is not None:
             _patches, report = map_file(cache.load_cached(path), model, clip, reference=False)
-            blocks = block_changes(report, roots_of(model, clip), {"model": strength, "clip": strength})
+            blocks = block_changes(report, patchers_of(model, clip), {"model": strength, "clip": strength})
             panel = payload(path, report, blocks)
             coverage_text = json.dumps({k: v for k, v in panel.items() if k != "summary"}, indent=1)
         cache_stats = cache.stats()  # after load_cached, so a file read by this run is counted

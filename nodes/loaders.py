@@ -6,7 +6,7 @@ from comfy_api.latest import io
 from .apply import apply_file, is_off, map_file
 from .bypass import MODES
 from .cache import load_cached
-from .report import LOADER_MEASURE_BUDGET, block_changes, payload, roots_of, touched_elements
+from .report import LOADER_MEASURE_BUDGET, block_changes, is_dynamic, patchers_of, payload, touched_elements
 
 CATEGORY = "loaders/lycoris"
 STRENGTH_MODES = ["linear", "lycoris"]
@@ -70,12 +70,21 @@ def lycoris_path(lycoris_name: str) -> str:
 
 
 def panel_ui(path: str, report, model, clip, strength_model: float, strength_clip: float, weights=None) -> dict:
-    """The panel's payload: coverage, per-block change (when cheap enough on every run) and the file summary."""
-    blocks = None
-    if touched_elements(report) <= LOADER_MEASURE_BUDGET:
-        blocks = block_changes(report, roots_of(model, clip), {"model": strength_model, "clip": strength_clip},
-                               weights)
-    return {"lycoris": [payload(path, report, blocks)]}
+    """The panel's payload: coverage, per-block change (when cheap enough on every run) and the file summary.
+    Not measured (blocks None, the reason in `not_measured`) for a large file, or when dynamic VRAM loading keeps
+    the weights offloaded: reading them would pull them through RAM on every run just for a chart."""
+    patchers = patchers_of(model, clip)
+    blocks, not_measured = None, None
+    if touched_elements(report) > LOADER_MEASURE_BUDGET:
+        not_measured = "large file"
+    elif any(is_dynamic(patcher) for patcher in patchers.values()):
+        not_measured = "weights offloaded by dynamic VRAM loading"
+    else:
+        blocks = block_changes(report, patchers, {"model": strength_model, "clip": strength_clip}, weights)
+    data = payload(path, report, blocks)
+    if not_measured:
+        data["not_measured"] = not_measured
+    return {"lycoris": [data]}
 
 
 def panel_off(lycoris_name: str, model, clip) -> dict:

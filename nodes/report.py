@@ -11,16 +11,34 @@ from ..lycoris_core import change_norms
 from ..lycoris_core.block_weights import BlockWeights
 from ..lycoris_core.blocks import block_of
 from ..lycoris_core.summary import summarize
-from .apply import Applied, ApplyReport
+from .apply import Applied, ApplyReport, model_shapes
 
 # Measuring the change costs about one patch pass over the touched weights; above this many weight elements the
 # loaders leave it to the LyCORIS Info node so a strength change stays quick.
 LOADER_MEASURE_BUDGET = 150_000_000
 
 
-def _weight_fp32(root: torch.nn.Module, applied: Applied) -> torch.Tensor:
-    """The target weight as ComfyUI would patch it: an fp32 copy, dequantised, narrowed to the module's slice."""
-    weight, _set, convert = comfy.model_patcher.get_key_weight(root, applied.target.key)
+def unpatched_weight(patcher, key: str) -> torch.Tensor:
+    """The weight as loaded, before any patch, whatever is in the module now. ComfyUI patches the shared module in
+    place and keeps the original in the patcher's `backup`, which clones share: the last loaded clone's patches
+    stay in the module until another clone loads (dynamic loading's force-loaded weights too). Hooks patched on
+    top keep the weight they replaced in `hook_backup`, the original unless a merged patch came first (then it is
+    in `backup`). An offloaded weight is patched in its forward (LowVramPatch) and stored as loaded."""
+    backup = patcher.backup.get(key)
+    if backup is not None:
+        return backup.weight
+    hooked = patcher.hook_backup.get(key)
+    if hooked is not None:
+        return hooked[0]
+    return comfy.model_patcher.get_key_weight(patcher.model, key)[0]
+
+
+def _weight_fp32(patcher, applied: Applied) -> torch.Tensor:
+    """The unpatched target weight as ComfyUI would patch it: an fp32 copy, dequantised, narrowed to the module's
+    slice."""
+    key = applied.target.key
+    weight = unpatched_weight(patcher, key)
+    _weight, _set, convert = comfy.model_patcher.get_key_weight(patcher.model, key)
     temp = comfy.model_management.cast_to_device(weight, weight.device, torch.float32, copy=True)
     if convert is not None:
         temp = convert(temp, inplace=True)
@@ -29,28 +47,35 @@ def _weight_fp32(root: torch.nn.Module, applied: Applied) -> torch.Tensor:
     return temp
 
 
+def is_dynamic(patcher) -> bool:
+    """ComfyUI's dynamic VRAM loading (0.33+): the weights stay on the offload device or in the file's mmap."""
+    dynamic = getattr(patcher, "is_dynamic", None)  # 0.3.75 has no dynamic loading
+    return dynamic is not None and dynamic()
+
+
 def touched_elements(report: ApplyReport) -> int:
     return sum(math.prod(a.target.shape) for a in report.targets.values())
 
 
-def block_changes(report: ApplyReport, roots: dict[str, torch.nn.Module], strengths: dict[str, float],
+def block_changes(report: ApplyReport, patchers: dict, strengths: dict[str, float],
                   weights: BlockWeights | None = None) -> list[dict]:
-    """[{name, change = ‖ΔW‖/‖W‖ over the block at its side's strength × block weight, modules}], in model order."""
+    """[{name, change = ‖ΔW‖/‖W‖ over the block at its side's strength × block weight, modules}], in model order.
+    W is the unpatched weight; `patchers` are the sides' ModelPatchers (see `patchers_of`)."""
     weights = weights or BlockWeights()
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     for applied in report.targets.values():
         side = applied.target.side
-        if side not in roots:
+        if side not in patchers:
             continue
         strength = strengths[side] * weights.weight_for(applied.target.key)
         with torch.no_grad():
             change2, weight2 = change_norms(applied.plan, applied.module.tensors,
-                                            _weight_fp32(roots[side], applied), strength)
+                                            _weight_fp32(patchers[side], applied), strength)
         entry = sums[block_of(applied.target.key)]
         entry[0] += change2
         entry[1] += weight2
         entry[2] += 1
-    order = _model_order(roots)
+    order = _model_order(patchers)
     first_key: dict[str, int] = {}
     for applied in report.targets.values():
         name, position = block_of(applied.target.key), order.get(applied.target.key, len(order))
@@ -59,19 +84,20 @@ def block_changes(report: ApplyReport, roots: dict[str, torch.nn.Module], streng
             for name, (c, w, n) in sorted(sums.items(), key=lambda item: first_key[item[0]])]
 
 
-def _model_order(roots: dict[str, torch.nn.Module]) -> dict[str, int]:
+def _model_order(patchers: dict) -> dict[str, int]:
     """Position of each weight in the model (diffusion model first, then text encoder), to list blocks in order."""
-    keys = [key for side in ("model", "clip") if side in roots for key in roots[side].state_dict()]
+    keys = [key for side in ("model", "clip") if side in patchers for key in model_shapes(patchers[side].model)]
     return {key: i for i, key in enumerate(keys)}
 
 
-def roots_of(model, clip) -> dict[str, torch.nn.Module]:
-    roots = {}
+def patchers_of(model, clip) -> dict:
+    """The ModelPatcher of each connected side: it knows the unpatched weights (the nn.Module alone does not)."""
+    patchers = {}
     if model is not None:
-        roots["model"] = model.model
+        patchers["model"] = model
     if clip is not None:
-        roots["clip"] = clip.cond_stage_model
-    return roots
+        patchers["clip"] = clip.patcher
+    return patchers
 
 
 def payload(path, report: ApplyReport, blocks: list[dict] | None) -> dict:

@@ -19,7 +19,7 @@ from .loaders import (
     strength_input,
 )
 from .presets import CUSTOM, block_weight_text, preset_names
-from .report import block_changes, payload, roots_of
+from .report import block_changes, patchers_of, payload
 
 BLOCK_WEIGHTS_TOOLTIP = (
     "Per-block multipliers on the strengths, by name: 'default=1; input_blocks.4-8=0.5; output_blocks.*=0; te=0.8'. "
@@ -104,7 +104,7 @@ class LycorisBlockInfo(io.ComfyNode):
     def execute(cls, lycoris_name, model, clip=None, strength=1.0, block_weights="default=1"):
         path = lycoris_path(lycoris_name)
         _patches, report = map_file(load_cached(path), model, clip, reference=False)
-        blocks = block_changes(report, roots_of(model, clip), {"model": strength, "clip": strength},
+        blocks = block_changes(report, patchers_of(model, clip), {"model": strength, "clip": strength},
                                parse(block_weights))
         lines = [f"{b['name']}: {b['modules']} modules, change {b['change']:.4f}" for b in blocks]
         return io.NodeOutput("\n".join(lines), ui={"lycoris": [payload(path, report, blocks)]})
