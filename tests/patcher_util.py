@@ -3,12 +3,14 @@
 Nothing here computes a LyCORIS patch: truth always comes from the test (float64 formula) or the reference factory.
 """
 
+import json
 from functools import cache
 
 import comfy.model_patcher
 import comfy.ops
 import pytest
 import torch
+from comfy.quant_ops import QuantizedTensor
 from lycoris_nodes.lycoris_core import parse_state_dict
 from lycoris_nodes.nodes.apply import build_patches
 from reference.lycoris_factory import LAYER, LAYERS, PREFIXES
@@ -48,8 +50,10 @@ def lowvram_patched(layer: torch.nn.Module, name: str = "weight") -> bool:
 
 
 def forward_params(layer: torch.nn.Module, x: torch.Tensor):
-    """(weight, bias) exactly as the layer's forward sees them (ComfyUI's cast + weight_function chain)."""
-    return comfy.ops.cast_bias_weight(layer, x)
+    """(weight, bias) exactly as the layer's forward sees them (ComfyUI's cast + weight_function chain), a weight
+    the forward multiplies as a QuantizedTensor dequantized (0.33 hands those on unchanged)."""
+    weight, bias = comfy.ops.cast_bias_weight(layer, x)
+    return (weight.dequantize() if isinstance(weight, QuantizedTensor) else weight), bias
 
 
 def set_param(layer: torch.nn.Module, name: str, value: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -112,10 +116,70 @@ def assert_rounded_from(actual: torch.Tensor, truth: torch.Tensor, dtype: torch.
                              f"(allowed [{float(lo.flatten()[i])}, {float(hi.flatten()[i])}])")
 
 
+# ComfyUI 0.3.75 holds scaled-fp8 Linear weights in `scaled_fp8_ops` layers (a plain fp8 tensor W / scale_weight);
+# 0.33 dropped those ops and loads every quantized Linear from its checkpoint's per-layer `comfy_quant` entry into a
+# QuantizedTensor (fp8 e4m3fn/e5m2 with `weight_scale`, and more formats).
+HAS_SCALED_FP8_OPS = hasattr(comfy.ops, "scaled_fp8_ops")
+
+
+def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, scale: float = 1.0,
+                     compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """ComfyUI's own quantized Linear (`mixed_precision_ops`, a QuantizedTensor in an fp8 layout) holding `weight`,
+    loaded from a checkpoint-like state dict as ComfyUI loads one (`weight` / `scale` must be exact in `dtype`)."""
+    fmt = str(dtype).removeprefix("torch.")
+    # full-precision matmul: what pick_operations chooses on a device without fp8 compute (this CPU); an fp8 matmul
+    # would also round the activations, which is not what these tests measure
+    ops = comfy.ops.mixed_precision_ops({"layer": {"format": fmt}}, compute_dtype=compute_dtype, full_precision_mm=True)
+    holder = torch.nn.Module()
+    holder.add_module("layer", ops.Linear(weight.shape[1], weight.shape[0], bias=bias is not None))
+    state = {"layer.weight": (weight.double() / scale).to(dtype), "layer.weight_scale": torch.tensor(float(scale))}
+    if bias is not None:
+        state["layer.bias"] = bias.float()
+    if not HAS_SCALED_FP8_OPS:  # 0.33 reads the layer's format from the checkpoint, 0.3.75 from the ops config
+        state["layer.comfy_quant"] = torch.tensor(list(json.dumps({"format": fmt}).encode()), dtype=torch.uint8)
+    holder.load_state_dict(state, strict=True)
+    layer = holder.layer
+    assert isinstance(layer.weight, QuantizedTensor)
+    expected = (weight.double() / scale).to(dtype).double() * scale
+    assert torch.allclose(layer.weight.dequantize().double(), expected, rtol=2 ** -23, atol=0)
+    return layer.requires_grad_(False)
+
+
+def storage_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype a weight's values are held in (a QuantizedTensor's packed data; 0.33 reports its compute dtype)."""
+    return weight._qdata.dtype if isinstance(weight, QuantizedTensor) else weight.dtype
+
+
+def fp8_storage(layer: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    """(the stored fp8 values, their scale) of an fp8 Linear: plain fp8 (scale 1), 0.3.75's scaled-fp8 op
+    (`scale_weight`) or a QuantizedTensor (whose scale 0.33 recalculates at every requantisation)."""
+    weight = layer.weight
+    if isinstance(weight, QuantizedTensor):
+        params = getattr(weight, "_params", None)  # 0.33 (comfy_kitchen); 0.3.75 keeps them in _layout_params
+        scale = params.scale if params is not None else weight._layout_params["scale"]
+        return weight._qdata, float(scale)
+    return weight.detach(), float(getattr(layer, "scale_weight", 1.0))
+
+
+def scaled_fp8_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, scale: float
+                      ) -> torch.nn.Module:
+    """A scaled-fp8 Linear as each ComfyUI loads one: `scaled_fp8_ops` on 0.3.75, a QuantizedTensor on 0.33."""
+    if not HAS_SCALED_FP8_OPS:
+        return quantized_linear(weight, bias, dtype, scale)
+    layer = comfy.ops.scaled_fp8_ops().Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=dtype)
+    set_param(layer, "weight", weight.double() / scale, dtype)
+    if bias is not None:
+        set_param(layer, "bias", bias, torch.float32)
+    layer.scale_weight.data.fill_(scale)
+    return layer.requires_grad_(False)
+
+
 def _ops_layer(name: str, dtype: torch.dtype):
     """The factory layer `name` rebuilt as the comfy.ops layer ComfyUI would hold a `dtype` weight in."""
     template = LAYER[name].make()
     scaled = dtype in FP8 and isinstance(template, torch.nn.Linear)
+    if scaled and not HAS_SCALED_FP8_OPS:
+        return None, scaled  # built by quantized_linear from its values
     if scaled:
         ops = comfy.ops.scaled_fp8_ops()
     elif dtype == torch.float32:  # what ComfyUI picks when the weight dtype is the compute dtype
@@ -139,14 +203,18 @@ def _ops_layer(name: str, dtype: torch.dtype):
 def factory_model(params: dict, dtype: torch.dtype) -> torch.nn.Module:
     """The reference factory's tiny model as `comfy.ops` layers holding `params` (`base_params(dtype)`) in `dtype`.
 
-    fp32: `disable_weight_init` layers (cast only when offloaded); fp16/bf16: `manual_cast` layers. fp8: Linear layers from `scaled_fp8_ops()` (stored W / SCALE, biases in
-    fp32, patched through ComfyUI's convert_weight/set_weight); conv/norm layers hold plain fp8 weights.
+    fp32: `disable_weight_init` layers (cast only when offloaded); fp16/bf16: `manual_cast` layers. fp8: Linear
+    layers hold W / SCALE with biases in fp32, patched through ComfyUI's dequantize/requantize path: `scaled_fp8_ops()`
+    (convert_weight/set_weight) on 0.3.75, a `comfy_quant` QuantizedTensor on 0.33; conv/norm layers hold plain fp8
+    weights.
     """
     net = torch.nn.Module()
     for name in params:
         layer, scaled = _ops_layer(name, dtype)
         weight = params[name]["weight"]
-        if scaled:
+        if layer is None:
+            layer = quantized_linear(weight, params[name]["bias"], dtype, SCALE)
+        elif scaled:
             set_param(layer, "weight", weight / SCALE, dtype)
             assert torch.equal(layer.weight.double() * SCALE, weight), "scaled fp8 base is not exact"
             layer.scale_weight.data.fill_(SCALE)

@@ -16,7 +16,7 @@ Truth never comes from our own code:
 Tests named in a "BUG (open)" docstring fail on purpose until the bug is fixed.
 """
 
-import asyncio
+import dataclasses
 import json
 import re
 import shutil
@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import comfy.model_management
 import comfy.ops
 import comfy.utils
-import execution
 import folder_paths
 import pytest
 import test_nodes
@@ -38,6 +37,7 @@ from lycoris_nodes.lycoris_core.blocks import block_of
 from lycoris_nodes.nodes import loaders, presets
 from lycoris_nodes.nodes.loaders import LycorisLoader
 from lycoris_nodes.nodes.weighting import LycorisBlockInfo, LycorisBlockWeights
+from node_runner import execute
 from patcher_util import assert_rounded_from
 from reference.lycoris_factory import Lazy, _class_presets_restored, _randomise
 from safetensors.torch import load_file, save_file
@@ -66,15 +66,7 @@ def loaded_weights(patcher, keys) -> dict[str, torch.Tensor]:
 
 def run(cls, **inputs):
     """A node's outputs, executed the way ComfyUI's executor does (combo values checked against the schema)."""
-    info = cls.INPUT_TYPES()
-    for name, value in inputs.items():
-        spec = {**info["required"], **info.get("optional", {})}[name]
-        if len(spec) > 1 and isinstance(spec[1], dict) and "options" in spec[1]:
-            assert value in spec[1]["options"], f"{name}={value!r} is not offered"
-    results = asyncio.run(execution._async_map_node_over_list(
-        "test-prompt", "1", cls, {k: [v] for k, v in inputs.items()}, cls.FUNCTION, hidden_inputs={}))
-    (output,) = results
-    return output.result
+    return execute(cls, **inputs).result
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -345,16 +337,18 @@ def test_broken_user_presets_do_not_hide_the_node(user_dir):
 # --- block names on real key sets ------------------------------------------------------------------------------------
 
 def _meta_models() -> dict[str, list[str]]:
-    from comfy.ldm.flux.model import Flux
+    from comfy.ldm.flux.model import Flux, FluxParams
     from comfy.ldm.lumina.model import NextDiT
     from comfy.ldm.modules.diffusionmodules.mmdit import MMDiT
     from comfy.ldm.wan.model import WanModel
 
     ops = comfy.ops.disable_weight_init
+    # 0.33's Flux also takes the text position-id layout (Flux 2 / Chroma variants); 0.3.75's has no such field
+    flux_new = {"txt_ids_dims": []} if "txt_ids_dims" in {f.name for f in dataclasses.fields(FluxParams)} else {}
     models = {
         "flux": Flux(in_channels=16, out_channels=16, vec_in_dim=32, context_in_dim=32, hidden_size=64, mlp_ratio=2.0,
                      num_heads=4, depth=3, depth_single_blocks=4, axes_dim=[4, 6, 6], theta=10000, patch_size=2,
-                     qkv_bias=True, guidance_embed=True, device="meta", operations=ops),
+                     qkv_bias=True, guidance_embed=True, device="meta", operations=ops, **flux_new),
         "sd3": MMDiT(input_size=None, patch_size=2, in_channels=16, depth=3, adm_in_channels=64,
                      context_embedder_config={"target": "torch.nn.Linear",
                                               "params": {"in_features": 32, "out_features": 192}},

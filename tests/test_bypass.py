@@ -34,6 +34,7 @@ from patcher_util import (
     lycoris_patches,
     offload,
     patcher,
+    quantized_linear,
     snapshot,
     variant_dtype_params,
 )
@@ -159,13 +160,10 @@ def test_bf16_activations_within_bf16_merge_error(reference_files, bases, varian
 
 
 def quantized_net(weight: torch.Tensor, bias: torch.Tensor) -> torch.nn.Module:
-    """A model whose `linear_b` is ComfyUI's own quantized Linear (mixed_precision_ops: a QuantizedTensor in the
-    TensorCoreFP8 layout, scale 1, so it dequantizes to the fp8 base weights exactly)."""
-    ops = comfy.ops.mixed_precision_ops({"linear_b": {"format": "float8_e4m3fn"}}, compute_dtype=torch.float32)
+    """A model whose `linear_b` is ComfyUI's own quantized Linear (mixed_precision_ops: a QuantizedTensor in an fp8
+    layout, scale 1, so it dequantizes to the fp8 base weights exactly)."""
     net = torch.nn.Module()
-    net.add_module("linear_b", ops.Linear(weight.shape[1], weight.shape[0], bias=True))
-    net.load_state_dict({"linear_b.weight": weight.to(torch.float8_e4m3fn), "linear_b.weight_scale": torch.tensor(1.0),
-                         "linear_b.bias": bias.float()}, strict=False)
+    net.add_module("linear_b", quantized_linear(weight, bias, torch.float8_e4m3fn))
     return net.requires_grad_(False)
 
 

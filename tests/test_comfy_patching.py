@@ -6,8 +6,9 @@ model is rebuilt from `comfy.ops` layers holding the base weights in that dtype:
 
 * fp32: `comfy.ops.disable_weight_init` layers (ComfyUI's choice when weight and compute dtype agree);
 * fp16 / bf16: `comfy.ops.manual_cast` layers;
-* float8_e4m3fn / float8_e5m2: Linear layers from `comfy.ops.scaled_fp8_ops()` (stored weight = W / scale_weight,
-  so patching goes through ComfyUI's `convert_weight` (dequantise) and `set_weight` (stochastic requantise));
+* float8_e4m3fn / float8_e5m2: scaled-fp8 Linear layers (stored weight = W / scale): `comfy.ops.scaled_fp8_ops()` on
+  0.3.75, a `comfy_quant` QuantizedTensor on 0.33, so patching goes through ComfyUI's dequantise and stochastic
+  requantise (`convert_weight`/`set_weight`; 0.33 recalculates the scale);
   conv and norm layers are plain fp8 `manual_cast` layers (stochastic rounding in `patch_weight_to_device`).
 
 The file is turned into patches by `build_patches` and added with `ModelPatcher.add_patches(patches, m)` for m in
@@ -44,6 +45,7 @@ from patcher_util import (
     offload,
     patcher,
     snapshot,
+    storage_dtype,
     variant_dtype_params,
 )
 from reference.lycoris_factory import (
@@ -155,7 +157,8 @@ def test_reference_table_through_model_patcher(reference_files, bases, variant_i
                     before = saved_params(saved, name)
                     if path == "full":
                         assert not lowvram_patched(layer)
-                        held = {p: (getattr(layer, p).dtype, getattr(layer, p).dtype in FP8) for p in before}
+                        held = {p: (storage_dtype(getattr(layer, p)), storage_dtype(getattr(layer, p)) in FP8)
+                                for p in before}
                         # fp8: ComfyUI re-rounds every patched weight with comfy.float.stochastic_rounding, even
                         # when the patch changes nothing; it adds its random offset in fp16, which moves ~0.2% of
                         # exactly representable values one ulp up (upstream, not ours). The bound below covers it.
@@ -182,8 +185,9 @@ def test_reference_table_through_model_patcher(reference_files, bases, variant_i
 def saved_params(saved: dict, name: str) -> dict[str, torch.Tensor]:
     """The layer's original parameters as the forward sees them (scaled fp8 weights dequantised by the caller)."""
     out = {p: saved[f"{name}.{p}"] for p in ("weight", "bias") if f"{name}.{p}" in saved}
-    if f"{name}.scale_weight" in saved:
-        out["weight"] = out["weight"].double() * float(saved[f"{name}.scale_weight"])
+    for scale in ("scale_weight", "weight_scale"):  # 0.3.75's scaled_fp8_ops, 0.33's comfy_quant layers
+        if f"{name}.{scale}" in saved:
+            out["weight"] = out["weight"].double() * float(saved[f"{name}.{scale}"])
     return out
 
 

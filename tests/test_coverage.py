@@ -6,7 +6,6 @@ Truth is computed here: ΔW = up·down·alpha/r in float64 from the tensors writ
 parameter counts from the tensors written.
 """
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -22,6 +21,7 @@ from lycoris_nodes.nodes.apply import map_file
 from lycoris_nodes.nodes.cache import read
 from lycoris_nodes.nodes.info import LycorisInfo
 from lycoris_nodes.nodes.loaders import LycorisLoader, LycorisLoaderModelOnly
+from node_runner import map_node
 from test_nodes import LOGGER, PROJ_IN, PROJ_IN_KEY, TE_Q, TE_Q_KEY, TO_Q, TO_Q_KEY, lora, lora_delta64, write
 
 # test_nodes' fixtures: the tiny SD1.5 (model, clip) and an empty loras folder that ComfyUI lists
@@ -56,9 +56,7 @@ def full_file():
 
 def run(cls, **inputs):
     """(outputs, ui) of a node run the way ComfyUI's executor runs it, ui merged as the executor merges it."""
-    assert inputs["lycoris_name"] in cls.INPUT_TYPES()["required"]["lycoris_name"][1]["options"]
-    results = asyncio.run(execution._async_map_node_over_list(
-        "test-prompt", "1", cls, {k: [v] for k, v in inputs.items()}, cls.FUNCTION, hidden_inputs={}))
+    results = map_node(cls, inputs)
     _output, ui, _ = execution.get_output_from_returns(results, cls)
     (result,) = results
     # the server sends ui over the websocket and keeps it in /history as JSON: it must be strict JSON

@@ -9,7 +9,6 @@ import logging
 
 import comfy.model_management
 import comfy.sd
-import execution
 import folder_paths
 import lycoris_nodes
 import pytest
@@ -18,6 +17,7 @@ from comfy_env import REPO_ROOT
 from lycoris_nodes.lycoris_core import LycorisError
 from lycoris_nodes.nodes import cache
 from lycoris_nodes.nodes.loaders import LycorisLoader, LycorisLoaderModelOnly
+from node_runner import execute
 from patcher_util import CPU, assert_rounded_from
 from safetensors.torch import save_file
 
@@ -71,11 +71,7 @@ def loras(tmp_path, monkeypatch):
 
 def run_node(cls, **inputs):
     """Execute a node the way ComfyUI's executor does (VALIDATE_CLASS, class clone, EXECUTE_NORMALIZED)."""
-    assert inputs["lycoris_name"] in cls.INPUT_TYPES()["required"]["lycoris_name"][1]["options"]
-    results = asyncio.run(execution._async_map_node_over_list(
-        "test-prompt", "1", cls, {k: [v] for k, v in inputs.items()}, cls.FUNCTION, hidden_inputs={}))
-    (output,) = results
-    return output.result
+    return execute(cls, **inputs).result
 
 
 def rand(*shape, seed, s=0.05):

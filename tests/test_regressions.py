@@ -14,14 +14,17 @@ from lycoris_nodes.lycoris_core import load
 from lycoris_nodes.nodes.adapter import LycorisAdapter
 from patcher_util import (
     CPU,
+    HAS_SCALED_FP8_OPS,
     assert_bit_identical,
     assert_rounded_from,
     forward_params,
+    fp8_storage,
     full_load,
     lowvram_patched,
     lycoris_patches,
     offload,
     patcher,
+    scaled_fp8_linear,
     set_param,
     snapshot,
 )
@@ -242,47 +245,50 @@ def test_fp8_base_weight_is_patched_not_a_silent_noop(fp8, scaled, strength):
     sd = hand_variants(seed=3)["locon"]
     g = torch.Generator().manual_seed(5)
     W = torch.randn(LIN_OUT, LIN_IN, generator=g) * 0.3
-    scale = torch.tensor(0.0125) if scaled else torch.tensor(1.0)
-    ops = comfy.ops.scaled_fp8_ops() if scaled else comfy.ops.manual_cast
+    scale = 0.0125 if scaled else 1.0
 
     class M(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.lin = ops.Linear(LIN_IN, LIN_OUT, dtype=fp8)
-            set_param(self.lin, "weight", W / scale, fp8)
-            set_param(self.lin, "bias", torch.zeros(LIN_OUT), torch.float32)
-            if scaled:
-                self.lin.scale_weight.data.fill_(float(scale))
+            if scaled:  # 0.3.75: scaled_fp8_ops (convert/set_weight); 0.33: a comfy_quant QuantizedTensor
+                self.lin = scaled_fp8_linear(W, torch.zeros(LIN_OUT), fp8, scale)
+            else:
+                self.lin = comfy.ops.manual_cast.Linear(LIN_IN, LIN_OUT, dtype=fp8)
+                set_param(self.lin, "weight", W, fp8)
+                set_param(self.lin, "bias", torch.zeros(LIN_OUT), torch.float32)
 
     net = M()
     if scaled:
         assert hasattr(net.lin, "convert_weight") and hasattr(net.lin, "set_weight")
-    stored0 = net.lin.weight.detach().clone()
-    dequant = stored0.double() * scale.double()
+    stored0, scale0 = (t.clone() if isinstance(t, torch.Tensor) else t for t in fp8_storage(net.lin))
+    dequant = stored0.double() * scale0
     truth = dequant + strength * lora_delta64(sd)
 
     patches, _ = lycoris_patches(sd, net, {"lin": "lin.weight"})
     mp = patcher(net)
     mp.add_patches(patches, strength)
     full_load(mp)
-    stored = net.lin.weight.detach()
+    stored, scale1 = fp8_storage(net.lin)
     assert stored.dtype == fp8
-    changed = (stored.double() != stored0.double()).float().mean()
+    changed = (stored.double() * scale1 != dequant).float().mean()
     assert changed > 0.5, f"only {float(changed):.0%} of the fp8 weights changed: the patch was (mostly) lost"
-    # (dequantised base + ΔW) requantised: each stored value is one of the two fp8 values around truth/scale.
-    assert_rounded_from(stored, truth / scale.double(), fp8, what="full load, stored fp8")
+    # (dequantised base + ΔW) requantised: each stored value is one of the two fp8 values around truth/scale (0.33
+    # recalculates the scale from the patched weight; 0.3.75 keeps it).
+    assert_rounded_from(stored, truth / scale1, fp8, what="full load, stored fp8")
     mp.unpatch_model(CPU)
-    assert torch.equal(net.lin.weight.view(torch.uint8), stored0.view(torch.uint8))
+    restored, scale2 = fp8_storage(net.lin)
+    assert torch.equal(restored.view(torch.uint8), stored0.view(torch.uint8)) and scale2 == scale0
 
     offload(mp)
-    assert lowvram_patched(net.lin) and net.lin.weight.dtype == fp8
+    assert lowvram_patched(net.lin) and fp8_storage(net.lin)[0].dtype == fp8
     x = inputs("lin")
     weight, _ = forward_params(net.lin, x)
-    if scaled:  # set_weight requantises inside LowVramPatch; the forward multiplies by scale_weight afterwards
-        assert_rounded_from(weight, truth / scale.double(), fp8, what="offload, requantised")
-    else:  # plain fp8 weights are cast to the input dtype before the patch: the patched weight stays fp32
+    if scaled and HAS_SCALED_FP8_OPS:  # 0.3.75: set_weight requantises inside LowVramPatch; × scale_weight after
+        assert_rounded_from(weight, truth / scale, fp8, what="offload, requantised")
+        assert not torch.equal(weight.double(), stored0.double())
+    else:  # plain fp8, and 0.33's QuantizedTensor: dequantized to the input dtype before the patch, which stays fp32
         assert_rounded_from(weight, truth, torch.float32, what="offload")
-    assert not torch.equal(weight.double(), dequant / scale.double())
+        assert not torch.equal(weight.double(), dequant)
     mp.unpatch_model(CPU)
 
 
