@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from . import dora
-from .algos import BIAS_ALGORITHMS, BY_NAME, WEIGHT_ALGORITHMS, Algorithm, Layout, ShapeError
+from .algos import BIAS_ALGORITHMS, BY_NAME, LAYOUT_ONLY_KEYS, WEIGHT_ALGORITHMS, Algorithm, Layout, ShapeError
 from .errors import LycorisError
 from .keys import ALPHA, DORA_SCALE
 
@@ -81,8 +81,9 @@ def build_modules(prefix: str, group: dict[str, torch.Tensor], file: str | None 
             layout = algorithm.layout(tensors, alpha if algorithm.uses_alpha else None)
         except ShapeError as e:
             raise LycorisError(e.reason, file=file, key=f"{prefix}.{e.key}" if e.key else prefix) from e
-        # keys only needed to read the layout (IA3's on_input) are not needed to compute the patch
-        compute_tensors = {k: t for k, t in tensors.items() if k in algorithm.keys or k == DORA_SCALE}
+        # keys only needed to read the layout (IA3's on_input, LoKr's row_offset) are not needed to compute the patch
+        compute_tensors = {k: t for k, t in tensors.items()
+                           if (k in algorithm.keys and k not in LAYOUT_ONLY_KEYS) or k == DORA_SCALE}
         modules.append(Module(prefix, algorithm, layout, compute_tensors, alpha))
         used.update(tensors)
     if modules and modules[0].has_dora and modules[0].tensors[DORA_SCALE].ndim == 0:

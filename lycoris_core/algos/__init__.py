@@ -21,5 +21,8 @@ WEIGHT_ALGORITHMS: tuple[Algorithm, ...] = (
 )
 BIAS_ALGORITHMS: tuple[Algorithm, ...] = (full.FULL_BIAS, full.NORM_BIAS)
 BY_NAME: dict[str, Algorithm] = {a.name: a for a in WEIGHT_ALGORITHMS + BIAS_ALGORITHMS}
+# Keys an algorithm reads into its layout and never again: the patch does not need them.
+LAYOUT_ONLY_KEYS: frozenset[str] = frozenset({lokr.ROW_OFFSET})
 
-__all__ = ["BIAS_ALGORITHMS", "BY_NAME", "WEIGHT_ALGORITHMS", "Algorithm", "Layout", "ShapeError", "Tensors"]
+__all__ = ["BIAS_ALGORITHMS", "BY_NAME", "LAYOUT_ONLY_KEYS", "WEIGHT_ALGORITHMS", "Algorithm", "Layout", "ShapeError",
+           "Tensors"]

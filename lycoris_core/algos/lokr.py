@@ -13,16 +13,57 @@ is 1×1 that would be all of W, so then W₂ += s·m·(W₁A) @ B is one addmm_ 
 s = 1 when both factors are full matrices (the trainer forces alpha = dim there); otherwise alpha / r with
 r = w1_b.shape[0] if w1 is decomposed, else w2_b.shape[0]. An N-D W₂ (b, d, *k) is read flat, (b, d·∏k), which is
 how its kernel sits in W's rows, so Conv1d/2d/3d all work.
+
+Row window (`row_offset`): ComfyUI's converter (0.38) splits a fused to_qkv LoKr into q/k/v modules, and where W₂'s
+b rows do not divide the q/k/v sizes it repeats W₁ whole and writes `row_offset` = the projection's first row. The
+change of such a module is rows [o, o + R) of the fused ΔW, R being the target's rows. Row r of kron(W₁, W₂) is
+W₁[r // b] ⊗ W₂[r % b], so the window is at most three runs of rows (a partial block of W₂'s rows, whole blocks,
+a partial block), each one broadcast addcmul_ as above.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from .base import Algorithm, Layout, Tensors, expect, require, rows_2d, scale_from_alpha, tucker_factors
+from .base import Algorithm, Layout, ShapeError, Tensors, expect, require, rows_2d, scale_from_alpha, tucker_factors
 
 W1, W1A, W1B = "lokr_w1", "lokr_w1_a", "lokr_w1_b"
 W2, W2A, W2B, T2 = "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2"
+ROW_OFFSET = "row_offset"
+
+
+@dataclass(frozen=True)
+class RowWindowLayout(Layout):
+    """The LoKr of a fused weight (`out` rows, `flat_in`/`shape` its input side), of which the target weight is
+    the rows from `row_offset` on: it fits a target of the same input size whose rows end inside the fused ones."""
+
+    row_offset: int = 0
+
+    def resolve(self, weight_shape: tuple[int, ...]) -> Layout:
+        in_shape = tuple(weight_shape[1:])
+        same_in = in_shape == self.shape[1:] if self.shape is not None else math.prod(in_shape) == self.flat_in
+        if len(weight_shape) < 2 or not same_in:
+            fused = list(self.shape or (self.out, self.flat_in))
+            raise ShapeError(f"module is for rows of a fused weight of shape {fused}, the model's is "
+                             f"{list(weight_shape)}: the input sizes differ")
+        expect(self.row_offset + weight_shape[0] <= self.out,
+               f"row_offset {self.row_offset} + the model weight's {weight_shape[0]} rows run past the {self.out} "
+               "rows of the fused LoKr change", ROW_OFFSET)
+        return self
+
+
+def _row_offset(t: Tensors) -> int | None:
+    """The row_offset scalar as an int (checked: one whole number ≥ 0), None when the module has none."""
+    if ROW_OFFSET not in t:
+        return None
+    value = t[ROW_OFFSET]
+    expect(value.numel() == 1 and value.ndim <= 1, f"row_offset must be one number, got shape {list(value.shape)}",
+           ROW_OFFSET)
+    number = value.reshape(-1)[0].item()
+    expect(not isinstance(number, (bool, complex)) and float(number).is_integer() and number >= 0,
+           f"row_offset must be a whole number ≥ 0, got {number}", ROW_OFFSET)
+    return int(number)
 
 
 def _w1_shape(t: Tensors) -> tuple[tuple[int, int], int | None]:
@@ -62,7 +103,11 @@ def layout(t: Tensors, alpha: float | None) -> Layout:
     scale = 1.0 if rank is None else scale_from_alpha(alpha, rank)
     out, flat_in = a * w2_shape[0], c * math.prod(w2_shape[1:])
     shape = (out, c * w2_shape[1], *w2_shape[2:]) if len(w2_shape) > 2 else None
-    return Layout(rank, scale, out, flat_in, shape)
+    offset = _row_offset(t)
+    if offset is None:
+        return Layout(rank, scale, out, flat_in, shape)
+    expect(offset < out, f"row_offset {offset} is past the {out} rows of the fused LoKr change", ROW_OFFSET)
+    return RowWindowLayout(rank, scale, out, flat_in, shape, row_offset=offset)
 
 
 def _w1(t: Tensors) -> torch.Tensor:
@@ -74,9 +119,26 @@ def _w2_factors(t: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
     return tucker_factors(t[T2], t[W2A], t[W2B]) if T2 in t else (t[W2A], t[W2B])
 
 
+def _row_runs(first: int, rows: int, b: int) -> list[tuple[int, int, int, int]]:
+    """Rows [first, first + rows) of kron(W₁, W₂), W₂ having b rows, as runs (i, n_i, j, n_j): W₁'s rows
+    [i, i + n_i) ⊗ W₂'s rows [j, j + n_j), in order. A partial block at either end, whole blocks between."""
+    end = first + rows
+    head_end = min(end, -(-first // b) * b)  # up to the next block boundary
+    tail_start = max(head_end, end // b * b)
+    runs = []
+    if first < head_end:
+        runs.append((first // b, 1, first % b, head_end - first))
+    if head_end < tail_start:
+        runs.append((head_end // b, (tail_start - head_end) // b, 0, b))
+    if tail_start < end:
+        runs.append((tail_start // b, 1, 0, end - tail_start))
+    return runs
+
+
 def add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: torch.Tensor) -> None:
     w1 = _w1(t)
     (a, c), alpha = w1.shape, lay.scale * m
+    first = lay.row_offset if isinstance(lay, RowWindowLayout) else 0  # out holds rows [first, first + len(out))
     if W2 in t:
         w2 = t[W2].reshape(t[W2].shape[0], -1)
     elif a * c > 1:
@@ -84,11 +146,15 @@ def add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: torch
         w2 = left @ right  # 1/(a·c) of W
     else:  # W₁ is 1×1: ΔW = W₁·A @ B, plain low rank
         left, right = _w2_factors(t)
-        rows_2d(out).addmm_(w1 * left, right, alpha=alpha)
+        rows_2d(out).addmm_(w1 * left.narrow(0, first, out.shape[0]), right, alpha=alpha)
         return
-    out.view(a, w2.shape[0], c, -1).addcmul_(w1[:, None, :, None], w2[None, :, None, :], value=alpha)
+    done = 0
+    for i, n_i, j, n_j in _row_runs(first, out.shape[0], w2.shape[0]):
+        rows = out.narrow(0, done, n_i * n_j).view(n_i, n_j, c, -1)
+        rows.addcmul_(w1[i:i + n_i, None, :, None], w2[None, j:j + n_j, None, :], value=alpha)
+        done += n_i * n_j
 
 ALGORITHM = Algorithm(
-    name="lokr", label="LoKr", markers=(W1, W1A), keys=(W1, W1A, W1B, W2, W2A, W2B, T2),
+    name="lokr", label="LoKr", markers=(W1, W1A), keys=(W1, W1A, W1B, W2, W2A, W2B, T2, ROW_OFFSET),
     layout=layout, add_into=add_into, supports_dora=True,
 )
