@@ -1,8 +1,8 @@
 """What a file is, read from its header alone: algorithms, ranks, alphas, DoRA, dtypes, training metadata, trigger
 words and the base model family (declared in metadata, or inferred from key names and shapes).
 
-Tensor data is not read except the tiny `alpha` and `on_input` scalars: modules are parsed on `meta` tensors of the
-right shapes, with the same detection and layout code that patching uses.
+Tensor data is not read except the tiny `alpha`, `on_input` and `row_offset` scalars: modules are parsed on `meta`
+tensors of the right shapes, with the same detection and layout code that patching uses.
 """
 
 import json
@@ -20,7 +20,7 @@ from .lycoris_file import group_keys
 from .module import Module, build_modules
 from .safetensors_file import SafetensorsFile
 
-SCALAR_SUFFIXES = (ALPHA, "on_input")  # read for real: the layout needs their values
+SCALAR_SUFFIXES = (ALPHA, "on_input", "row_offset")  # read for real: the layout needs their values
 TRAINING_KEYS = {
     "ss_base_model_version": "base model", "ss_network_module": "network module", "ss_network_dim": "dim",
     "ss_network_alpha": "alpha", "ss_network_args": "network args", "ss_resolution": "resolution",
