@@ -22,6 +22,15 @@ def compute_dtype(intermediate_dtype: torch.dtype | None = None) -> torch.dtype:
     return torch.float32
 
 
+def widens(weight_dtype: torch.dtype, intermediate_dtype: torch.dtype | None) -> bool:
+    """Whether a result in the caller's intermediate dtype holds more than `weight_dtype`: true when that dtype is
+    the compute dtype itself and `weight_dtype` is narrower (ComfyUI 0.33 patches an fp16 copy of W with an fp32
+    intermediate). Returning the compute-dtype result then lets the caller round it once, instead of twice."""
+    if intermediate_dtype is None or compute_dtype(intermediate_dtype) != intermediate_dtype:
+        return False
+    return weight_dtype.is_floating_point and torch.finfo(weight_dtype).bits < torch.finfo(intermediate_dtype).bits
+
+
 def cast(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
     """`tensor` on `device` in `dtype`; a new tensor whenever anything changes (or `copy` is asked), the same one
     otherwise."""

@@ -1,11 +1,15 @@
 """Computing one patch: W ← W'(m), in place, with every tensor cast once by casting.py.
 
 The weight may be fp32/fp16/bf16/fp8, on any device, and may be a view (ComfyUI narrows fused weights with
-offsets and keeps only the view's changes), so the result is written into it rather than returned as a new tensor.
+offsets and keeps only the view's changes), so the result is always written into it. When the caller's
+intermediate dtype is wider than W's, the result is also returned unrounded, in that dtype, for the caller to round
+once: ComfyUI 0.33 hands adapters an fp16 copy of W with an fp32 intermediate and rounds what they return into the
+storage dtype, so W' read back from the fp16 copy would be rounded twice and be inf above 65504.
 
 Memory: the algorithms write into W itself (`add_into`, `merge_into`), so a patch makes at most one weight-sized
 temporary: the fp32 copy of W when W is in another dtype or not contiguous, or V's buffer for linear DoRA, or ΔW
-when a `function` must see the change. Adapter tensors as large as W (Full) are never cast whole.
+when a `function` must see the change. A returned result is that same fp32 copy, so it adds none. Adapter tensors
+as large as W (Full) are never cast whole.
 """
 
 from collections.abc import Callable
@@ -14,7 +18,7 @@ import torch
 
 from . import dora
 from .algos import BY_NAME
-from .casting import cast, cast_all, compute_dtype, working_copy
+from .casting import cast, cast_all, compute_dtype, widens, working_copy
 from .keys import DORA_SCALE
 from .module import Plan
 
@@ -67,10 +71,11 @@ def is_noop(plan: Plan, strength: float) -> bool:
 def apply(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Tensor, strength: float,
           function: Callable[[torch.Tensor], torch.Tensor] | None = None,
           intermediate_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Patch `weight` in place to W + function(W'(strength) − W) and return it.
+    """Patch `weight` in place to W + function(W'(strength) − W) and return it, or, when `intermediate_dtype` is
+    wider than weight's dtype (`casting.widens`), return the result unrounded in `intermediate_dtype`.
 
-    The maths runs in fp32 (or `intermediate_dtype` when wider) on weight's device; the result is rounded to
-    weight's dtype once.
+    The maths runs in fp32 (or `intermediate_dtype` when wider) on weight's device; what is written into `weight`
+    is the result rounded to weight's dtype once.
     """
     if is_noop(plan, strength):
         return weight
@@ -84,10 +89,12 @@ def apply(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Tensor, st
     else:
         w = working_copy(weight, dtype)
         w.add_(function(change(plan, t, w, strength)))
-    # w is either weight itself (already in the compute dtype) or our private copy: round once.
-    if w is not weight:
-        weight.copy_(w)
-    return weight
+    if w is weight:
+        return weight
+    # w is our private copy, in the compute dtype: round it into weight once, and hand it over whole to a caller
+    # that computes in it (a caller that reads weight instead, as ComfyUI does for offsets, gets the rounded W')
+    weight.copy_(w)
+    return w if widens(weight.dtype, intermediate_dtype) else weight
 
 
 def change_norms(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Tensor, strength: float

@@ -38,6 +38,11 @@ class LycorisAdapter(WeightAdapterBase):
 
     def calculate_weight(self, weight, key, strength, strength_model, offset, function,
                          intermediate_dtype=torch.float32, original_weight=None):
+        # `weight` always gets W' (rounded to its dtype). comfy.lora.calculate_weight takes our return value as the
+        # weight and its caller rounds that into storage once, so when we are handed a narrower copy than the
+        # intermediate dtype (0.33: an fp16 copy, fp32 intermediate) apply returns the unrounded fp32 W' instead.
+        # With an offset ComfyUI drops the return value and keeps the parent copy, whose view holds the rounded W'.
+        # LowVramPatch passes intermediate_dtype=weight.dtype: its forward gets the weight itself, in its dtype.
         return apply(self.plan, self.tensors, weight, strength, function, intermediate_dtype)
 
     def __repr__(self) -> str:
