@@ -10,11 +10,18 @@ adds every entry in order (lycoris_core.bypass.forward). Ejecting removes exactl
 there, in any order, and the layer's own forward comes back when the last one goes.
 """
 
+import comfy.ops
 import torch
 from comfy.patcher_extension import PatcherInjection
 from comfy.quant_ops import QuantizedTensor
 
-from ..lycoris_core.bypass import Contribution, LayerOp, forward, is_bypassable, reads_weight
+from ..lycoris_core.bypass import (
+    Contribution,
+    LayerOp,
+    forward,
+    is_bypassable,
+    reads_weight,
+)
 from ..lycoris_core.casting import cast
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -51,11 +58,43 @@ def is_readable(weight: torch.Tensor) -> bool:
     return isinstance(data, QuantizedTensor) or (type(data) is torch.Tensor and data.is_floating_point())
 
 
+def is_comfy_op(layer: torch.nn.Module) -> bool:
+    """A comfy.ops layer: where its weight is and what is applied to it on the way to the forward (merged patches
+    of an offloaded or dynamically loaded layer, dequantisation) is up to ComfyUI's cast path."""
+    return hasattr(layer, "comfy_cast_weights")
+
+
+def _read_dtype(weight: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 for a weight stored in fp32 (its dynamic-VRAM geometry dtype, `_model_dtype`, where set): in
+    a dtype other than the stored one, ComfyUI's cast hands back a new tensor, and runs the merged patches on that
+    copy, never in place on a transfer buffer the layer's own cast reads next."""
+    if isinstance(weight, QuantizedTensor):
+        return torch.float32  # dequantising always makes a new tensor
+    return torch.float64 if getattr(weight, "_model_dtype", weight.dtype) == torch.float32 else torch.float32
+
+
 def float_weight(layer: torch.nn.Module, device: torch.device) -> torch.Tensor:
-    """The layer's weight as fp32 on `device`, as its forward runs it: with ComfyUI's per-forward weight functions
-    applied (an offloaded layer's LowVramPatch carries the patches merged before this adapter, which a merge would
-    have put in the weight), dequantized (QuantizedTensor) or unscaled (scaled fp8), the way ComfyUI's own patching
-    reads it (the op's convert_weight)."""
+    """The layer's weight as fp32 on `device`, as its forward runs it: with the patches merged before this adapter
+    (in the weight, in a LowVramPatch of an offloaded layer, or applied on the fly under dynamic VRAM),
+    dequantized (QuantizedTensor) or unscaled (scaled fp8). A comfy.ops layer is read through ComfyUI's own cast
+    path; a new tensor, so it is released at once and holds nothing of ComfyUI's while the layer's forward runs."""
+    if not is_comfy_op(layer):
+        return _own_float_weight(layer, device)
+    dtype = _read_dtype(layer.weight)
+    weight, bias, offload = comfy.ops.cast_bias_weight(layer, dtype=dtype, device=device, bias_dtype=dtype,
+                                                       offloadable=True)
+    try:
+        read = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+        convert = getattr(layer, "convert_weight", None)  # 0.3.75's scaled fp8: the cast gives W / scale_weight
+        if convert is not None:
+            read = convert(read, inplace=False)
+        return cast(read, device, torch.float32)
+    finally:
+        comfy.ops.uncast_bias_weight(layer, weight, bias, offload)
+
+
+def _own_float_weight(layer: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """A plain torch layer's weight as fp32 on `device`, with any per-forward weight functions applied."""
     weight = layer.weight
     if isinstance(weight, QuantizedTensor):
         weight = weight.dequantize()
@@ -81,10 +120,13 @@ class BypassLayer:
         self.entries: dict[tuple[str, int], Contribution] = {}
 
     def __call__(self, x, *args, **kwargs):
+        contributions = list(self.entries.values())
+        # W is read before the layer's own forward: under dynamic VRAM that forward may patch ComfyUI's transfer
+        # buffer in place, which a read after it would patch a second time
+        weight = float_weight(self.layer, x.device) if any(c.reads_weight for c in contributions) else None
         run = self.own_forward or type(self.layer).forward.__get__(self.layer)
         y = run(x, *args, **kwargs)
-        return forward(x, y, self.op, list(self.entries.values()),
-                       lambda: float_weight(self.layer, x.device), tuple(self.layer.weight.shape))
+        return forward(x, y, self.op, contributions, lambda: weight, tuple(self.layer.weight.shape))
 
     @classmethod
     def on(cls, layer: torch.nn.Module, op: LayerOp) -> "BypassLayer":

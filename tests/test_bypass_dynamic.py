@@ -1,0 +1,263 @@
+"""Bypass under ComfyUI's current loading (issue #9), through a real `ModelPatcher` on `comfy.ops` layers.
+
+1. A bypassed change that reads W (DoRA, OFT, GLoRA, (IA)³) on a layer that also carries merged patches (a core
+   LoRA through ComfyUI's own `comfy.lora.load_lora`, or a LyCORIS file in merge mode) must see W as the layer runs
+   it: with those patches in the weight (full load), in a LowVramPatch (offloaded), or applied on the fly by 0.33's
+   dynamic VRAM cast (`resolve_cast_module_with_vbar`). Dynamic VRAM needs an NVIDIA GPU and comfy-aimdo; here the
+   layer is put in the state `ModelPatcherDynamic.load` and `cast_modules_with_vbar` leave it in (see
+   `dynamic_state`), on the CPU. Truth: the LyCORIS reference's own forward (lycoris-lora 4.1.3, files from
+   `reference.lycoris_factory`) on a float64 base holding W + ΔA, the merged file's change.
+"""
+
+import importlib
+
+import comfy.lora
+import comfy.model_management
+import comfy.model_patcher
+import comfy.ops
+import pytest
+import torch
+import torch.nn.functional as F
+from lycoris import create_lycoris_from_weights
+from lycoris_nodes.lycoris_core import load
+from lycoris_nodes.nodes.apply import patched_clone
+from patcher_util import (
+    CPU,
+    factory_model,
+    full_load,
+    lycoris_patches,
+    offload,
+    patcher,
+)
+from reference.lycoris_factory import _class_presets_restored, base_model, probe
+from safetensors.torch import load_file
+
+LAYER = "linear_b"  # the factory's Linear 64 → 96 with a bias
+KEY = f"{LAYER}.weight"
+FILE_KEY_MAP = {f"lycoris_{LAYER}": KEY, f"lora_unet_{LAYER}": KEY}
+CHANGE_TOLERANCE = 1e-4  # ‖error‖ / ‖truth − y_merged‖: fp32 maths, as in test_bypass.py
+NOISE = 1e-6  # float32 forward noise, relative to ‖y‖
+HAS_DYNAMIC_VRAM = hasattr(comfy.model_patcher, "ModelPatcherDynamic")
+# 0.33's transfer-buffer layout helpers (0.3.75 has no such module: no dynamic VRAM)
+memory_management = importlib.import_module("comfy.memory_management") if HAS_DYNAMIC_VRAM else None
+READERS = ("locon_dora_out", "oft_rescaled", "glora", "ia3")  # DoRA, OFT, GLoRA, (IA)³: each reads W
+BYPASS_ATTRIBUTE = "_lycoris_bypass"
+
+
+# --- truth: the LyCORIS reference on a given linear_b weight ---------------------------------------------------------
+
+def reference_output(generated, weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, m: float = 1.0
+                     ) -> torch.Tensor:
+    """linear_b(x) in float64 with the file of `generated` applied at multiplier m by the reference's own forward
+    (the network read back from the file by create_lycoris_from_weights) to a base whose linear_b holds `weight`.
+
+    (IA)³ is the exception: that loader cannot read it back (lycoris-formats.md §3), so its truth is the §2.8
+    formula, W'[o] = W[o]·(1 + m·w[o]); `test_truth_matches_the_factory` checks it against the factory's forward."""
+    container = generated.variant.container
+    if generated.variant.algo == "ia3":
+        w = load_file(str(generated.path))[f"lycoris_{LAYER}.weight"].double()
+        return F.linear(x.double(), weight.double() * (1 + m * w)[:, None], bias.double())
+    model = base_model(torch.float32, container)
+    model.linear_b.weight.data = weight.to(container)
+    model.linear_b.bias.data = bias.to(container)
+    with _class_presets_restored():
+        net, _ = create_lycoris_from_weights(1.0, str(generated.path), model, weights_sd=load_file(str(generated.path)))
+    for lora in net.loras:
+        lora.to(container)
+    net.apply_to()
+    net.set_multiplier(m)
+    with torch.no_grad():
+        return model.linear_b(x.to(container)).double()
+
+
+def reference_weight(generated, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """linear_b's weight after the file (m = 1), read off the reference forward: y(I) − b = W'ᵀ for a Linear."""
+    eye = torch.eye(weight.shape[1], dtype=torch.float64)
+    return (reference_output(generated, weight, bias, eye) - bias.double()).T
+
+
+def reference_delta(generated) -> torch.Tensor:
+    """ΔW of an additive file (independent of W) from the factory's recorded reference forward on the probe:
+    y_ref − y_base = probe·ΔWᵀ, and the probe has full column rank, so least squares recovers ΔW (to float64
+    rounding)."""
+    y = generated.y_ref[(torch.float32, 1.0)][LAYER] - generated.y_base[torch.float32][LAYER]
+    return torch.linalg.lstsq(probe(LAYER), y).solution.T
+
+
+def assert_close_to_truth(y: torch.Tensor, truth: torch.Tensor, before: torch.Tensor, what: str) -> None:
+    """‖y − truth‖ within fp32 error of the change truth − before."""
+    error = float((y.double() - truth).norm())
+    allowed = CHANGE_TOLERANCE * float((truth - before).norm()) + NOISE * float(before.norm())
+    assert error <= allowed, f"{what}: ‖error‖ {error:.3g} > {allowed:.3g}"
+
+
+def only_layer(patches: dict) -> dict:
+    return {k: a for k, a in patches.items() if (k if isinstance(k, str) else k[0]).startswith(f"{LAYER}.")}
+
+
+@pytest.mark.parametrize("variant_id", READERS)
+def test_truth_matches_the_factory(reference_files, bases, variant_id):
+    """The truth helpers on the base weights give the factory's recorded reference forward."""
+    generated = reference_files[variant_id]
+    base = bases[torch.float32][LAYER]
+    got = reference_output(generated, base["weight"], base["bias"], probe(LAYER))
+    truth = generated.y_ref[(torch.float32, 1.0)][LAYER]
+    assert_close_to_truth(got, truth, generated.y_base[torch.float32][LAYER], variant_id)
+    if variant_id != "ia3":
+        weight = reference_weight(generated, base["weight"], base["bias"])
+        assert_close_to_truth(F.linear(probe(LAYER), weight, base["bias"]), truth,
+                              generated.y_base[torch.float32][LAYER], f"{variant_id}, W' from y(I)")
+
+
+@pytest.mark.parametrize("variant_id", ["loha", "locon", "lokr"])
+def test_delta_is_the_reference_change(reference_files, bases, variant_id):
+    """reference_delta fits the factory's 72 probe rows with 64 unknowns per output: a change that were not one
+    linear map would leave a residual. Where the reference loader reads the file back (not LoKr's layout here), its
+    own W'(1) − W agrees."""
+    generated = reference_files[variant_id]
+    base = bases[torch.float32][LAYER]
+    delta = reference_delta(generated)
+    got = F.linear(probe(LAYER), base["weight"] + delta, base["bias"])
+    truth = generated.y_ref[(torch.float32, 1.0)][LAYER]
+    assert_close_to_truth(got, truth, generated.y_base[torch.float32][LAYER], f"{variant_id}, residual")
+    if variant_id != "lokr":
+        loaded = reference_weight(generated, base["weight"], base["bias"]) - base["weight"]
+        assert float((loaded - delta).norm()) <= 1e-9 * float(delta.norm()), variant_id
+
+
+# --- 1. a bypassed reader after merged patches, in every loading mode ------------------------------------------------
+
+def core_lora(seed: int = 7, rank: int = 4, alpha: float = 2.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"lora_unet_{LAYER}.lora_up.weight": torch.randn(96, rank, generator=g) * 0.1,
+            f"lora_unet_{LAYER}.lora_down.weight": torch.randn(rank, 64, generator=g) * 0.1,
+            f"lora_unet_{LAYER}.alpha": torch.tensor(alpha)}
+
+
+def merged_first(kind: str, base, net, reference_files, weight: torch.Tensor, bias: torch.Tensor):
+    """(a clone of `base` with the first file merged, W + ΔA in float64): a core LoRA through ComfyUI's own
+    load_lora and add_patches, or the factory's LoHa file through our adapter in merge mode."""
+    strength = 0.8
+    if kind == "core lora":
+        sd = core_lora()
+        clone = base.clone()
+        patches = comfy.lora.load_lora(sd, FILE_KEY_MAP)
+        assert set(clone.add_patches(patches, strength)) == {KEY}
+        up, down = sd[f"lora_unet_{LAYER}.lora_up.weight"].double(), sd[f"lora_unet_{LAYER}.lora_down.weight"].double()
+        scale = float(sd[f"lora_unet_{LAYER}.alpha"]) / down.shape[0]
+        return clone, weight.double() + strength * scale * up @ down
+    generated = reference_files["loha"]
+    patches, _ = lycoris_patches(load(generated.path), net, FILE_KEY_MAP)
+    clone, bypassed = patched_clone(base, only_layer(patches), strength, apply_mode="merge")
+    assert bypassed == 0 and set(clone.patches) == {KEY}
+    return clone, weight.double() + strength * reference_delta(generated)
+
+
+def dynamic_state(patched, layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Puts a comfy.ops layer in the state 0.33's `ModelPatcherDynamic.load` leaves it in (model_patcher.py,
+    `setup_param`): cast weights, the merged patches as `weight_lowvram_function` (a LowVramPatch), no
+    `weight_function`, a vbar allocation `_v`. The weight is not on the compute device: its parameter is moved to
+    `meta` (so `cast_bias_weight` takes the vbar branch, and nothing may read it directly) and its bytes come from
+    the transfer buffer `prefetch` fills. Returns the real (weight, bias)."""
+    weight, bias = layer.weight.data, layer.bias.data
+    layer.comfy_cast_weights = True
+    layer.seed_key = LAYER
+    layer.weight_lowvram_function = comfy.model_patcher.LowVramPatch(KEY, patched.patches)
+    layer.bias_lowvram_function = None
+    layer.weight_function, layer.bias_function = [], []
+    layer._v = ("vbar", 0, memory_management.vram_aligned_size([weight, bias]))  # comfy-aimdo's allocation
+    layer._v_signature = None
+    layer.weight = torch.nn.Parameter(weight.to("meta"), requires_grad=False)
+    layer.weight._model_dtype = weight.dtype
+    layer.bias = torch.nn.Parameter(bias.to("meta"), requires_grad=False)
+    return weight, bias
+
+
+def prefetch(layer: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> None:
+    """`_prefetch` as `cast_modules_with_vbar` sets it for a layer the vbar could not fault in (signature None, as
+    under VRAM pressure): weight and bias copied into one byte buffer laid out by interpret_gathered_like. With
+    `_prefetch` set, `cast_bias_weight` resolves from it without calling comfy-aimdo. A fresh one per forward, as
+    ComfyUI prefetches per block: ComfyUI's own cast may patch that buffer in place."""
+    buffer = torch.zeros(memory_management.vram_aligned_size([weight, bias]), dtype=torch.uint8)
+    for view, tensor in zip(memory_management.interpret_gathered_like([weight, bias], buffer), (weight, bias)):
+        view.copy_(tensor)
+    layer._prefetch = {"signature": None, "resident": False, "xfer_dest": buffer, "cast_dest": None,
+                       "cast_geometry": memory_management.tensors_to_geometries([layer.weight, layer.bias]),
+                       "needs_cast": False}
+
+
+def leave_dynamic_state(layer: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> None:
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer.bias = torch.nn.Parameter(bias, requires_grad=False)
+    for name in ("_prefetch", "_v", "_v_signature", "weight_lowvram_function", "bias_lowvram_function", "seed_key",
+                 "weight_function", "bias_function", "comfy_cast_weights"):
+        layer.__dict__.pop(name, None)
+
+
+def run_loaded(clone, net, loading: str, x: torch.Tensor, monkeypatch) -> torch.Tensor:
+    """linear_b(x) with `clone` loaded as `loading` says, then unloaded (every bypass entry gone)."""
+    layer = getattr(net, LAYER)
+    if loading == "full":
+        full_load(clone)
+    elif loading == "offload":
+        offload(clone)
+        assert any(isinstance(f, comfy.model_patcher.LowVramPatch) for f in layer.weight_function)
+    else:
+        stored = dynamic_state(clone, layer)
+        clone.patch_model(device_to=CPU, load_weights=False)  # injects, as load() does when it finishes
+    try:
+        assert BYPASS_ATTRIBUTE in vars(layer)
+        if loading != "dynamic":
+            return layer(x)
+        prefetch(layer, *stored)
+        # the compute device stands for a GPU: on a CPU device cast_bias_weight copies a `_v` layer's stored
+        # weight instead (no patches), a path ComfyUI keeps only for custom nodes that move layers to the CPU
+        monkeypatch.setattr(comfy.model_management, "is_device_cpu", lambda device: False)
+        y = layer(x)
+        monkeypatch.undo()
+        assert layer.weight.device.type == "meta"  # the vbar path ran: the CPU one materialises it (zeros)
+        return y
+    finally:
+        if loading == "dynamic":
+            leave_dynamic_state(layer, *stored)
+        clone.unpatch_model(CPU)
+        assert BYPASS_ATTRIBUTE not in vars(layer) and "forward" not in vars(layer)
+
+
+LOADINGS = [pytest.param(first, reader, loading, dtype,
+                         id=f"{first.replace(' ', '_')}-{reader}-{loading}-{str(dtype).removeprefix('torch.')}")
+            for first in ("core lora", "lycoris merge") for reader in READERS
+            for loading, dtype in (("full", torch.float32), ("offload", torch.float32), ("dynamic", torch.float32),
+                                   ("dynamic", torch.bfloat16))]
+
+
+@pytest.mark.parametrize("first,reader,loading,dtype", LOADINGS)
+def test_bypassed_reader_reads_w_as_the_layer_runs_it(reference_files, bases, monkeypatch, first, reader, loading,
+                                                      dtype):
+    """A file merged first, then a bypassed reader at m = 0.7 on the same layer: the layer's output is the reader
+    applied to W + ΔA (linear strength: y_A + m·(y_AB − y_A)). fp32 storage is the case where ComfyUI's dynamic
+    cast patches its transfer buffer in place; bf16 storage is cast to the fp32 input dtype first."""
+    if loading == "dynamic" and not HAS_DYNAMIC_VRAM:
+        # 0.3.75 has no dynamic VRAM (no vbar cast path); its offloaded patches are the LowVramPatch case above
+        assert not hasattr(comfy.ops, "resolve_cast_module_with_vbar")
+        return
+    m = 0.7
+    net = factory_model(bases[dtype], dtype)
+    base_params = bases[dtype][LAYER]
+    weight, bias = base_params["weight"], base_params["bias"]
+    base = patcher(net)
+    first_clone, merged_weight = merged_first(first, base, net, reference_files, weight, bias)
+    generated = reference_files[reader]
+    patches, _ = lycoris_patches(load(generated.path), net, FILE_KEY_MAP)
+    clone, bypassed = patched_clone(first_clone, only_layer(patches), m, apply_mode="bypass", key="lycoris:reader")
+    assert bypassed == 1 and set(clone.patches) == {KEY}
+
+    x = probe(LAYER)
+    y = run_loaded(clone, net, loading, x.float(), monkeypatch)
+    y_merged = F.linear(x, merged_weight, bias)
+    truth = y_merged + m * (reference_output(generated, merged_weight, bias, x) - y_merged)
+    # the test can fail: the reader applied to the weight without the merged file is far off
+    y_plain = F.linear(x, weight, bias)
+    unmerged = y_merged + m * (reference_output(generated, weight, bias, x) - y_plain)
+    assert float((unmerged - truth).norm()) > 100 * CHANGE_TOLERANCE * float((truth - y_merged).norm())
+    assert_close_to_truth(y, truth, y_merged, f"{first} then {reader}, {loading}")
