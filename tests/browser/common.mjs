@@ -1,11 +1,11 @@
 // What the browser scripts (panel.mjs, block_weights.mjs) share: the env they read, the checks and the polling, the
-// browser with a fresh profile, opening the UI (and closing the first-run templates dialog), the renderer, loading a
-// workflow, queueing it, the screenshots and the JSON result line.
+// browser with a fresh profile, opening the UI (and closing the dialogs the frontend opens for a new user), the
+// renderer, loading a workflow, queueing it, the screenshots and the JSON result line.
 //
 // Env: COMFY_URL, SCREENSHOT (both required), RENDERER=classic|vue (default classic), CHROMIUM (default
 // /usr/bin/chromium), TIMEOUT_MS for one workflow run (default 180000).
 
-import { chromium } from "playwright-core";
+import { chromium, errors } from "playwright-core";
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { dirname, join, resolve } from "node:path";
@@ -52,52 +52,98 @@ export async function waitFor(page, what, fn, arg, timeout = 30000) {
     throw new CheckError(`timed out after ${timeout / 1000} s waiting for ${what}; last: ${JSON.stringify(last)}`);
 }
 
-export async function closeTemplatesDialog(page, expected) {
-    // For a new user (the server's Comfy.TutorialCompleted setting unset) the templates dialog opens a moment after
-    // the app; Escape closes it.
-    const dialog = page.locator(".p-dialog");
+// A dialog of either frontend: PrimeVue's .p-dialog (frontend 1.32, ComfyUI 0.3.75) and reka-ui's dialog (1.49,
+// ComfyUI 0.33) both carry role="dialog"; their close buttons show the pi-times icon (1.49's also has an aria-label).
+const DIALOG = '[role="dialog"]';
+const CLOSE_BUTTON = 'button[aria-label="Close dialog"], button:has(i.pi-times)';
+const MAX_FIRST_RUN_DIALOGS = 3; // more than this open at start-up is a change in the frontend worth failing on
+
+async function isTimeout(promise) {
     try {
-        await dialog.first().waitFor({ state: "visible", timeout: expected ? 20000 : 1000 });
-    } catch {
-        if (expected) warnings.push("the first-run templates dialog did not open");
+        await promise;
         return false;
+    } catch (err) {
+        if (err instanceof errors.TimeoutError) return true;
+        throw err;
     }
-    // Escape, as for any closable dialog; frontend 1.32.9 opens this one as a non-closable "layout" dialog that
-    // ignores Escape, so then its own close button (×).
-    await page.keyboard.press("Escape");
-    try {
-        await dialog.first().waitFor({ state: "hidden", timeout: 1000 });
-        return "escape";
-    } catch {
-        // still open
-    }
-    const close = page.locator('.p-dialog button:has(i.pi-times), .p-dialog button[aria-label="Close"]').first();
-    await close.click({ timeout: 5000 });
-    try {
-        await dialog.first().waitFor({ state: "hidden", timeout: 5000 });
-        return "close button";
-    } catch {
-        // fall through
-    }
-    throw new CheckError("the first-run templates dialog closed neither on Escape nor with its close button");
 }
 
-/** Load the UI, wait for the app and our extension, close the first-run dialog (result.templates_dialog_closed). */
+/** Close one open dialog: Escape, as a user would, else its own close button; fail when it stays open. */
+async function closeDialog(page, dialog) {
+    const label = (await dialog.getAttribute("aria-labelledby")) || "(unlabelled)";
+    const handle = await dialog.elementHandle();
+    await page.keyboard.press("Escape");
+    if (!(await isTimeout(handle.waitForElementState("hidden", { timeout: 2000 })))) {
+        return { dialog: label, closed_by: "escape" };
+    }
+    // Frontend 1.32.9 opens the templates dialog as a non-closable "layout" dialog that ignores Escape.
+    await dialog.locator(CLOSE_BUTTON).first().click({ timeout: 5000 });
+    if (await isTimeout(handle.waitForElementState("hidden", { timeout: 5000 }))) {
+        throw new CheckError(`the dialog ${label} closed neither on Escape nor with its close button`);
+    }
+    return { dialog: label, closed_by: "close button" };
+}
+
+/**
+ * Close the dialogs the frontend opens for a new user (firstRun: the server's Comfy.TutorialCompleted unset) and
+ * return what was closed how. Both frontends first store Comfy.TutorialCompleted = true, then open the templates
+ * dialog (1.32.9 after loading a blank workflow, 1.49.6 right away, about a second after the app is up), so: wait for
+ * the setting, then for the dialog, close every open dialog, and check none is left.
+ */
+export async function closeFirstRunDialogs(page, firstRun) {
+    const open = page.locator(`${DIALOG}:visible`);
+    const closed = [];
+    if (firstRun) {
+        await waitFor(
+            page,
+            "the frontend to store Comfy.TutorialCompleted (its first-run start-up)",
+            () => window.comfyAPI.app.app.extensionManager.setting.get("Comfy.TutorialCompleted") === true,
+            null,
+            30000,
+        );
+        if (await isTimeout(open.first().waitFor({ state: "visible", timeout: 10000 }))) {
+            warnings.push("no dialog opened within 10 s of the frontend's first-run start-up");
+        }
+        while ((await open.count()) > 0) {
+            check(closed.length < MAX_FIRST_RUN_DIALOGS, `dialogs keep opening: ${JSON.stringify(closed)}`);
+            closed.push(await closeDialog(page, open.first()));
+        }
+    }
+    const describe = (els) => els.map((e) => e.getAttribute("aria-labelledby") || e.outerHTML.slice(0, 200));
+    const left = await open.evaluateAll(describe);
+    check(left.length === 0, `dialogs open over the graph: ${JSON.stringify(left)}`);
+    return closed;
+}
+
+/**
+ * Load the UI, wait for the app, our extension and the start-up workflow, close the first-run dialogs. In result:
+ * first_run (the server's Comfy.TutorialCompleted was unset), first_run_dialogs (closeFirstRunDialogs),
+ * frontend_version.
+ */
 async function openUI(page, result) {
     const settings = await fetch(new URL("settings", COMFY_URL)).then((r) => r.json());
+    result.first_run = !settings["Comfy.TutorialCompleted"];
     await page.goto(COMFY_URL, { waitUntil: "domcontentloaded", timeout: 60000 });
     await waitFor(
         page,
-        "the ComfyUI app and our extension",
+        "the ComfyUI app, our extension and the start-up workflow",
         (name) => {
             const app = window.comfyAPI?.app?.app;
-            return !!app?.graph && !!window.LiteGraph && (app.extensions ?? []).some((e) => e.name === name);
+            // app.extensions reads a store that 1.49.6 sets up only with the Vue app: it throws before vueAppReady.
+            if (!app?.vueAppReady || !window.LiteGraph || !app.graph || !app.canvas) return false;
+            if (!(app.extensions ?? []).some((e) => e.name === name)) return false;
+            // The graph and canvas exist before the node types are registered (1.49.6: seconds before), and the
+            // start-up workflow (the default one, or a blank one for a new user) is loaded after that: a workflow
+            // loaded earlier finds no node types or is replaced. The active workflow is set once it is in.
+            return !!app.extensionManager?.workflow?.activeWorkflow;
         },
         EXTENSION_NAME,
         60000,
     );
     mark("app_loaded");
-    result.templates_dialog_closed = await closeTemplatesDialog(page, !settings["Comfy.TutorialCompleted"]);
+    result.frontend_version = await page.evaluate(() => window.__COMFYUI_FRONTEND_VERSION__);
+    result.first_run_dialogs = await closeFirstRunDialogs(page, result.first_run);
+    mark("first_run_dialogs_closed");
 }
 
 /** Settings are stored on the server: set the renderer both ways, a previous run may have switched it. */

@@ -6,6 +6,8 @@ LiteGraph canvas and once with the Vue "Nodes 2.0" renderer. tests/browser/block
 per-block sliders of LyCORIS Loader (Block Weights) on example_workflows/lycoris_block_weights.json: run, move two
 sliders, check the block_weights text, run again. Screenshots are kept in artifacts/. The rule editing behind the
 sliders (web/lycoris_block_rules.js) is also tested under Node alone and against lycoris_core's parser.
+Both run on ComfyUI 0.3.75's frontend (1.32.9) and 0.33's (1.49.6); on a fresh server the first script closes the
+templates dialog the frontend opens over the graph for a new user (check_first_run_dialogs).
 
 Chromium (Debian's, /usr/bin/chromium), Node.js and tests/browser/node_modules come from scripts/setup.sh; when one is
 missing this test fails and says so (it is never skipped).
@@ -41,6 +43,8 @@ CHROMIUM = Path("/usr/bin/chromium")
 EXAMPLES = REPO_ROOT / "example_workflows"
 ARTIFACTS = REPO_ROOT / "artifacts"
 RUN_TIMEOUT = 300  # s for one panel.mjs run (it takes about 20 s)
+TEMPLATES_DIALOG = "global-workflow-template-selector"  # aria-labelledby of the frontend's templates dialog
+_runs_per_server: dict[str, int] = {}  # browser runs so far on each panel_server, by its URL
 
 
 def missing_browser_pieces() -> list[str]:
@@ -81,6 +85,8 @@ def panel_server(tmp_path_factory, browser_ready):
 def run_browser_script(script: Path, server, renderer: str, screenshot: Path, **env_extra: str) -> dict:
     """Run one of the tests/browser scripts against the server; fail with its error, stderr and the server log."""
     ARTIFACTS.mkdir(exist_ok=True)
+    first_on_server = server.url not in _runs_per_server
+    _runs_per_server[server.url] = _runs_per_server.get(server.url, 0) + 1
     env = {**os.environ, "COMFY_URL": server.url, "SCREENSHOT": str(screenshot), "RENDERER": renderer, **env_extra}
     start = time.monotonic()
     try:
@@ -101,7 +107,27 @@ def run_browser_script(script: Path, server, renderer: str, screenshot: Path, **
     )
     assert result.get("ok") is True
     assert screenshot.exists()
+    check_first_run_dialogs(result, first_on_server)
     return result
+
+
+def frontend_version(result: dict) -> tuple[int, ...]:
+    return tuple(int(part) for part in result["frontend_version"].split(".")[:2])
+
+
+def check_first_run_dialogs(result: dict, first_on_server: bool) -> None:
+    """A new user (the first run on a fresh server) gets the templates dialog over the graph, which takes the clicks
+    and the keyboard focus the checks need: the script must have found and closed it, and only then.
+
+    The two frontends differ here: 1.32.9 (ComfyUI 0.3.75) opens it as a "layout" dialog that ignores Escape, so it
+    takes its close button; 1.49.6 (ComfyUI 0.33) closes it on Escape."""
+    assert result["first_run"] is first_on_server
+    if not first_on_server:
+        assert result["first_run_dialogs"] == []
+        return
+    closed_by = "escape" if frontend_version(result) >= (1, 49) else "close button"
+    expected = [{"dialog": TEMPLATES_DIALOG, "closed_by": closed_by}]
+    assert result["first_run_dialogs"] == expected, f"frontend {result['frontend_version']}"
 
 
 @pytest.mark.parametrize("renderer", ["classic", "vue"])
