@@ -13,12 +13,13 @@ which makes bypass equal to merge up to rounding, for every algorithm and multip
 * DoRA, OFT, BOFT, GLoRA, (IA)³: D depends on W, so it is computed from the layer's weight read as float.
 
 Several adapters on one layer apply in order, as chained merges would: an adapter whose change depends on W sees
-W plus the changes of the adapters before it. Adapter tensors are cast to the input's device (and, for the
-factored path, dtype) at each forward by casting.py; the stored tensors are never modified.
+W plus the changes of the adapters before it. A contribution's tensors are staged on the compute device once
+(`Contribution.on`, in the file's dtype); a forward then casts only their dtype, on the device (casting.py). The
+stored tensors are never modified.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +82,15 @@ class Contribution:
         carrier = torch.empty(shape, device="meta")
         dtype = compute_dtype()
         return change(self.plan, cast_all(self.tensors, device, dtype), carrier, self.strength)
+
+    def on(self, device: torch.device) -> "Contribution":
+        """This contribution with its tensors on `device`, in the file's dtype: new tensors, so the stored ones
+        stay where and as they are (one already there is shared, read-only). Tensors as large as the weight (Full's
+        `diff`) stay where they are: staged, they would put a second copy of the model's weights on the device;
+        they are cast at each forward, as ComfyUI streams an offloaded weight."""
+        dense = BY_NAME[self.plan.algorithm].dense
+        return replace(self, tensors={name: t if name in dense else cast(t, device, t.dtype)
+                                      for name, t in self.tensors.items()})
 
 
 def _factored_locon(c: Contribution, op: LayerOp, x: torch.Tensor, weight_shape: tuple[int, ...]

@@ -8,6 +8,9 @@ bypass nodes stack (each adds its entries to the layers; none replaces another's
 A layer gets one `BypassLayer` as its `forward` while any entry is on it; it runs the layer's own forward, then
 adds every entry in order (lycoris_core.bypass.forward). Ejecting removes exactly the entries that injection put
 there, in any order, and the layer's own forward comes back when the last one goes.
+
+Injecting stages each entry's tensors on the patcher's load device (private copies, dropped on eject), so a
+forward moves no adapter tensor between devices.
 """
 
 import comfy.ops
@@ -159,8 +162,10 @@ def _layer(root: torch.nn.Module, weight_key: str) -> torch.nn.Module:
 def injection(key: str, entries: list[tuple[str, Contribution]], root: torch.nn.Module,
               modules: dict[str, torch.nn.Module]) -> PatcherInjection:
     """One injection installing `entries` ((weight key, contribution), in order) on the patcher's model. The layers
-    are looked up once, in `root`'s `modules` (clones share their model object); another model is looked up again."""
+    are looked up once, in `root`'s `modules` (clones share their model object); another model is looked up again.
+    Injecting stages each contribution's tensors on the patcher's load device; ejecting drops those copies."""
     resolved = {id(root): [modules[layer_name(weight_key)] for weight_key, _ in entries]}
+    staged: dict[int, list[Contribution]] = {}  # per model object: the copies inject put on the layers
 
     def layers(patcher) -> list[torch.nn.Module]:
         if id(patcher.model) not in resolved:
@@ -168,12 +173,13 @@ def injection(key: str, entries: list[tuple[str, Contribution]], root: torch.nn.
         return resolved[id(patcher.model)]
 
     def inject(patcher) -> None:
-        for i, (layer, (_, contribution)) in enumerate(zip(layers(patcher), entries)):
+        copies = staged[id(patcher.model)] = [contribution.on(patcher.load_device) for _, contribution in entries]
+        for i, (layer, contribution) in enumerate(zip(layers(patcher), copies)):
             BypassLayer.on(layer, layer_op(layer)).entries[(key, i)] = contribution
 
     def eject(patcher) -> None:
         # ComfyUI may eject a clone that copied its `is_injected` flag without ever injecting: remove only ours.
-        for i, (layer, (_, contribution)) in enumerate(zip(layers(patcher), entries)):
+        for i, (layer, contribution) in enumerate(zip(layers(patcher), staged.pop(id(patcher.model), []))):
             bypass = layer.__dict__.get(_ATTRIBUTE)
             if bypass is not None:
                 bypass.remove((key, i), contribution)

@@ -7,9 +7,13 @@
    layer is put in the state `ModelPatcherDynamic.load` and `cast_modules_with_vbar` leave it in (see
    `dynamic_state`), on the CPU. Truth: the LyCORIS reference's own forward (lycoris-lora 4.1.3, files from
    `reference.lycoris_factory`) on a float64 base holding W + ΔA, the merged file's change.
+2. Adapter tensors are staged on the patcher's load device once per injection: no host→device copy in a forward
+   (counted on a fake cuda:0), and ejecting drops the staged copies while the stored tensors stay as they were.
 """
 
+import gc
 import importlib
+import weakref
 
 import comfy.lora
 import comfy.model_management
@@ -31,6 +35,9 @@ from patcher_util import (
 )
 from reference.lycoris_factory import _class_presets_restored, base_model, probe
 from safetensors.torch import load_file
+from test_regressions import KEY_MAP, Net, hand_variants, inputs, layer_of
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 LAYER = "linear_b"  # the factory's Linear 64 → 96 with a bias
 KEY = f"{LAYER}.weight"
@@ -261,3 +268,81 @@ def test_bypassed_reader_reads_w_as_the_layer_runs_it(reference_files, bases, mo
     unmerged = y_merged + m * (reference_output(generated, weight, bias, x) - y_plain)
     assert float((unmerged - truth).norm()) > 100 * CHANGE_TOLERANCE * float((truth - y_merged).norm())
     assert_close_to_truth(y, truth, y_merged, f"{first} then {reader}, {loading}")
+
+
+# --- 2. staged adapter tensors ---------------------------------------------------------------------------------------
+
+def moved_to_cuda(func, args, kwargs) -> torch.Tensor | None:
+    """The CPU tensor an explicit cast (`_to_copy`) or a `copy_` moves to a cuda device, or None."""
+    if func is torch.ops.aten._to_copy.default:
+        source, target = args[0], kwargs.get("device")
+        to_cuda = target is not None and torch.device(target).type == "cuda"
+    elif func is torch.ops.aten.copy_.default:
+        source, to_cuda = args[1], args[0].device.type == "cuda"
+    else:
+        return None
+    return source if to_cuda and source.device.type == "cpu" else None
+
+
+class HostToDevice(TorchDispatchMode):
+    """Records the shape of every tensor copied from CPU memory to a cuda device."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        source = moved_to_cuda(func, args, kwargs)
+        if source is not None:
+            self.copies.append(tuple(source.shape))
+        return func(*args, **kwargs)
+
+
+BYPASSABLE = [v for v in hand_variants() if v != "norm"]  # norm layers are always merged
+CUDA = torch.device("cuda:0")
+FORWARDS = 3
+
+
+@pytest.mark.parametrize("variant", BYPASSABLE)
+def test_adapter_tensors_are_staged_once_per_injection(variant):
+    """Model loaded on a (fake) cuda:0, adapter tensors on the CPU: injecting stages copies on cuda:0, so three
+    forwards copy nothing from the CPU (before staging: every tensor, every forward); Full's diff (as large as the
+    weight) is the one tensor left on the CPU, cast at each forward. Ejecting drops the staged copies; the shared
+    adapter's tensors stay on the CPU, bit-identical."""
+    sd = hand_variants()[variant]
+    name = layer_of(sd)
+    net = Net(torch.bfloat16)
+    patches, report = lycoris_patches(sd, net, KEY_MAP)
+    assert not report.problems
+    stored = {k: dict(a.tensors) for k, a in patches.items()}
+    saved = {k: {n: t.clone() for n, t in tensors.items()} for k, tensors in stored.items()}
+    base = comfy.model_patcher.ModelPatcher(net, load_device=CUDA, offload_device=CPU)
+    clone, bypassed = patched_clone(base, patches, 0.7, apply_mode="bypass", key="lycoris:staged")
+    assert bypassed == 1
+    layer = getattr(net, name)
+    dense = {"diff"} if variant == "full" else set()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for module in net.modules():  # the model as loaded on cuda:0 (patch_model cannot move fake parameters)
+            for param_name, param in list(module.named_parameters(recurse=False)):
+                setattr(module, param_name, torch.nn.Parameter(param.to(CUDA), requires_grad=False))
+        clone.patch_model(device_to=CUDA, load_weights=False)  # no weight to patch: this injects
+        x = inputs(name, torch.bfloat16, device="cuda:0")
+        with HostToDevice() as moved:
+            for _ in range(FORWARDS):
+                y = layer(x)
+        assert y.device == CUDA and y.dtype == torch.bfloat16
+        assert len(moved.copies) == FORWARDS * len(dense), moved.copies
+        (entry,) = layer.__dict__[BYPASS_ATTRIBUTE].entries.values()
+        assert {n for n, t in entry.tensors.items() if t.device == CPU} == dense
+        staged = [weakref.ref(t) for n, t in entry.tensors.items() if n not in dense]
+        assert len(staged) == len(entry.tensors) - len(dense) and all(r().device == CUDA for r in staged)
+        del entry
+        clone.eject_model()
+    gc.collect()
+    assert [r() for r in staged] == [None] * len(staged), "eject left staged copies alive"
+    assert BYPASS_ATTRIBUTE not in vars(layer)
+    for key, tensors in stored.items():
+        assert dict(patches[key].tensors) == tensors  # the same tensor objects...
+        for n, t in tensors.items():  # ... still real CPU tensors holding what they held
+            assert type(t) is torch.Tensor and t.device == CPU and torch.equal(t, saved[key][n]), n
