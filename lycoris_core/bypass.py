@@ -16,6 +16,9 @@ Several adapters on one layer apply in order, as chained merges would: an adapte
 W plus the changes of the adapters before it. A contribution's tensors are staged on the compute device once
 (`Contribution.on`, in the file's dtype); a forward then casts only their dtype, on the device (casting.py). The
 stored tensors are never modified.
+
+A layer whose weight is used without its forward gets the same changes added to its weight instead, when the
+weight is cast for use (`changed_weight`).
 """
 
 from collections.abc import Callable
@@ -147,6 +150,18 @@ def forward(x: torch.Tensor, y: torch.Tensor, op: LayerOp, contributions: list[C
             d = c.change_from_factors(rows_shape, x.device)
         y = _add(y, op(x, cast(d, x.device, x.dtype)), c.rows, op.channel_dim)
     return y
+
+
+def changed_weight(weight: torch.Tensor, contributions: list[Contribution]) -> torch.Tensor:
+    """W plus every contribution's change, in order (a reader sees the changes before it), as a new tensor in
+    weight's dtype (`weight` may be a buffer of its owner's: it is never written). The maths runs in fp32, as
+    `forward`'s does, and is rounded once."""
+    current = cast(weight, weight.device, torch.float32, copy=True)
+    for c in contributions:
+        rows_shape = tuple(weight.shape) if c.rows is None else (c.rows[1], *weight.shape[1:])
+        d = c.change(current) if c.reads_weight else c.change_from_factors(rows_shape, current.device)
+        c.rows_of(current).add_(cast(d, current.device, current.dtype))
+    return cast(current, weight.device, weight.dtype)
 
 
 def reads_weight(plan: Plan) -> bool:

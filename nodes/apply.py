@@ -18,7 +18,7 @@ from ..lycoris_core import LycorisError, LycorisFile, Module, Plan
 from ..lycoris_core.block_weights import BlockWeights
 from ..lycoris_core.summary import declared_family, family_id, infer_family
 from .adapter import LycorisAdapter
-from .bypass import bypassed_layers, contribution, injection, layer_name, wants_bypass
+from .bypass import bypassed_layers, contribution, injection, layer_name, skips_forward, wants_bypass
 
 log = logging.getLogger("lycoris_nodes")
 
@@ -27,6 +27,7 @@ TEXT_ENCODER_PREFIXES = ("lora_te", "lora_prior_te", "text_encoder", "text_encod
 NO_CLIP = "text-encoder module, but no CLIP is connected"
 NO_MODEL = "diffusion-model module, but no MODEL is connected"
 MAX_LISTED = 20
+AT_WEIGHT_CAST = "int8 layers ComfyUI runs without their forward"
 
 
 @dataclass(frozen=True)
@@ -63,12 +64,16 @@ class ApplyReport:
     params_applied: int = 0
     verdict: str = ""  # one sentence when the file does not look made for this model
     bypassed: int = 0  # patches run in the layers' forward instead of merged (apply_mode bypass/auto)
+    # ... of which added to the weight when ComfyUI casts it, on int8 layers it multiplies without their forward
+    at_weight_cast: int = 0
     targets: dict[str, Applied] = field(default_factory=dict, repr=False)
 
     def line(self) -> str:
         algos = ", ".join(f"{label} {n}" for label, n in self.labels.most_common())
         share = f", {100 * self.params_applied / self.params_total:.0f}% of parameters" if self.params_total else ""
         bypass = f", {self.bypassed} in bypass" if self.bypassed else ""
+        if self.at_weight_cast:
+            bypass += f", {self.at_weight_cast} of them added at the weight cast ({AT_WEIGHT_CAST})"
         return (f"{self.file}: {len(self.applied)}/{self.total} modules applied"
                 + (f" ({algos}{share}{bypass})" if algos else "") + (f". {self.verdict}" if self.verdict else ""))
 
@@ -81,6 +86,7 @@ class ApplyReport:
         return {"file": self.file, "line": self.line(), "applied": len(self.applied), "total": self.total,
                 "algorithms": dict(self.labels.most_common()), "params_applied": self.params_applied,
                 "params_total": self.params_total, "verdict": self.verdict, "bypassed": self.bypassed,
+                "at_weight_cast": self.at_weight_cast,
                 "problems": [list(p) for p in self.problems], "unused_keys": [list(u) for u in self.unused_keys]}
 
 
@@ -296,10 +302,12 @@ def _weight_key(patch_key) -> str:
 
 
 def patched_clone(target, patches: dict, strength: float, weights: BlockWeights | None = None,
-                  apply_mode: str = "merge", key: str | None = None, file: str = "") -> tuple[object, int]:
+                  apply_mode: str = "merge", key: str | None = None, file: str = "",
+                  report: ApplyReport | None = None) -> tuple[object, int]:
     """(a clone of `target` (MODEL or CLIP) carrying `patches` at `strength` × block weight, patches bypassed).
 
-    Merged patches go through add_patches; bypassed ones become one injection under `key`."""
+    Merged patches go through add_patches; bypassed ones become one injection under `key`. A `report` gets the
+    bypassed count, and how many of those are added at the weight cast instead of the forward."""
     patched = target.clone()
     patcher = getattr(patched, "patcher", patched)  # a CLIP keeps its ModelPatcher in .patcher
     refused, bypassed = [], []
@@ -320,6 +328,9 @@ def patched_clone(target, patches: dict, strength: float, weights: BlockWeights 
     if bypassed:
         key = key or f"lycoris:{uuid.uuid4().hex}"
         patcher.set_injections(key, [injection(key, bypassed, patcher.model, modules)])
+    if report is not None:
+        report.bypassed += len(bypassed)
+        report.at_weight_cast += sum(skips_forward(modules[layer_name(k)]) for k, _ in bypassed)
     return patched, len(bypassed)
 
 
@@ -327,6 +338,5 @@ def _patched(target, patches: dict | None, strength: float, reference: bool, rep
              weights: BlockWeights, apply_mode: str, key: str):
     if target is None or not patches or is_off(strength, reference):
         return target
-    patched, bypassed = patched_clone(target, patches, strength, weights, apply_mode, key, report.file)
-    report.bypassed += bypassed
+    patched, _ = patched_clone(target, patches, strength, weights, apply_mode, key, report.file, report)
     return patched

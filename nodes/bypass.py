@@ -11,6 +11,9 @@ there, in any order, and the layer's own forward comes back when the last one go
 
 Injecting stages each entry's tensors on the patcher's load device (private copies, dropped on eject), so a
 forward moves no adapter tensor between devices.
+
+A layer ComfyUI uses without calling its forward (`skips_forward`) gets its entries as a `WeightChange` in its
+`weight_function` list instead: ComfyUI's cast path runs those on the weight wherever the weight is used.
 """
 
 import comfy.ops
@@ -18,18 +21,13 @@ import torch
 from comfy.patcher_extension import PatcherInjection
 from comfy.quant_ops import QuantizedTensor
 
-from ..lycoris_core.bypass import (
-    Contribution,
-    LayerOp,
-    forward,
-    is_bypassable,
-    reads_weight,
-)
+from ..lycoris_core.bypass import Contribution, LayerOp, changed_weight, forward, is_bypassable, reads_weight
 from ..lycoris_core.casting import cast
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 MODES = ("merge", "bypass", "auto")
 _ATTRIBUTE = "_lycoris_bypass"
+_CHANGE_ATTRIBUTE = "_lycoris_weight_change"
 
 
 def layer_op(layer: torch.nn.Module) -> LayerOp | None:
@@ -65,6 +63,15 @@ def is_comfy_op(layer: torch.nn.Module) -> bool:
     """A comfy.ops layer: where its weight is and what is applied to it on the way to the forward (merged patches
     of an offloaded or dynamically loaded layer, dequantisation) is up to ComfyUI's cast path."""
     return hasattr(layer, "comfy_cast_weights")
+
+
+def skips_forward(layer: torch.nn.Module) -> bool:
+    """An INT8 tensorwise layer, which ComfyUI 0.33's `comfy.ops.linear_input_act` (Wan/LTX feed-forward down
+    projections, MiniMax, Llama-type text encoders) multiplies by its weight itself, never calling its forward
+    (the same test as there; 0.3.75 has no such layout)."""
+    weight = getattr(layer, "weight", None)
+    return (isinstance(weight, QuantizedTensor) and getattr(weight, "_layout_cls", None) == "TensorWiseINT8Layout"
+            and not getattr(getattr(weight, "_params", None), "transposed", False))
 
 
 def _read_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -159,6 +166,44 @@ def _layer(root: torch.nn.Module, weight_key: str) -> torch.nn.Module:
     return root.get_submodule(layer_name(weight_key))
 
 
+class WeightChange:
+    """A layer's bypass entries as one of its `weight_function`s, for a layer ComfyUI uses without its forward:
+    ComfyUI's cast path runs those on the (dequantized) weight, for the forward and for callers that use the weight
+    directly. Installed while any entry is on the layer; entries apply in order, as on a `BypassLayer`."""
+
+    def __init__(self, layer: torch.nn.Module):
+        self.layer = layer
+        self.entries: dict[tuple[str, int], Contribution] = {}
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        return changed_weight(weight, list(self.entries.values()))
+
+    @classmethod
+    def on(cls, layer: torch.nn.Module) -> "WeightChange":
+        existing = layer.__dict__.get(_CHANGE_ATTRIBUTE)
+        if existing is None:
+            existing = cls(layer)
+            setattr(layer, _CHANGE_ATTRIBUTE, existing)
+            layer.weight_function = [*layer.weight_function, existing]  # a new list: the class default is shared
+        return existing
+
+    def remove(self, entry_key: tuple[str, int], contribution: Contribution) -> None:
+        if self.entries.get(entry_key) is contribution:
+            del self.entries[entry_key]
+        if not self.entries:
+            self.layer.weight_function = [f for f in self.layer.weight_function if f is not self]
+            delattr(self.layer, _CHANGE_ATTRIBUTE)
+
+
+def _holder(layer: torch.nn.Module):
+    """Where a layer's entries go: its weight function when ComfyUI may use the weight without the forward."""
+    return WeightChange.on(layer) if skips_forward(layer) else BypassLayer.on(layer, layer_op(layer))
+
+
+def _holder_of(layer: torch.nn.Module):
+    return layer.__dict__.get(_CHANGE_ATTRIBUTE) or layer.__dict__.get(_ATTRIBUTE)
+
+
 def injection(key: str, entries: list[tuple[str, Contribution]], root: torch.nn.Module,
               modules: dict[str, torch.nn.Module]) -> PatcherInjection:
     """One injection installing `entries` ((weight key, contribution), in order) on the patcher's model. The layers
@@ -175,14 +220,14 @@ def injection(key: str, entries: list[tuple[str, Contribution]], root: torch.nn.
     def inject(patcher) -> None:
         copies = staged[id(patcher.model)] = [contribution.on(patcher.load_device) for _, contribution in entries]
         for i, (layer, contribution) in enumerate(zip(layers(patcher), copies)):
-            BypassLayer.on(layer, layer_op(layer)).entries[(key, i)] = contribution
+            _holder(layer).entries[(key, i)] = contribution
 
     def eject(patcher) -> None:
         # ComfyUI may eject a clone that copied its `is_injected` flag without ever injecting: remove only ours.
         for i, (layer, contribution) in enumerate(zip(layers(patcher), staged.pop(id(patcher.model), []))):
-            bypass = layer.__dict__.get(_ATTRIBUTE)
-            if bypass is not None:
-                bypass.remove((key, i), contribution)
+            holder = _holder_of(layer)
+            if holder is not None:
+                holder.remove((key, i), contribution)
 
     bypass = PatcherInjection(inject, eject)
     bypass.lycoris_layers = frozenset(weight_key for weight_key, _ in entries)

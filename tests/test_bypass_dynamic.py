@@ -1,4 +1,4 @@
-"""Bypass under ComfyUI's current loading (issue #9), through a real `ModelPatcher` on `comfy.ops` layers.
+"""Bypass under ComfyUI's current loading (issue #9, points 2–4), through a real `ModelPatcher` on `comfy.ops` layers.
 
 1. A bypassed change that reads W (DoRA, OFT, GLoRA, (IA)³) on a layer that also carries merged patches (a core
    LoRA through ComfyUI's own `comfy.lora.load_lora`, or a LyCORIS file in merge mode) must see W as the layer runs
@@ -9,10 +9,13 @@
    `reference.lycoris_factory`) on a float64 base holding W + ΔA, the merged file's change.
 2. Adapter tensors are staged on the patcher's load device once per injection: no host→device copy in a forward
    (counted on a fake cuda:0), and ejecting drops the staged copies while the stored tensors stay as they were.
+3. ComfyUI 0.33's `comfy.ops.linear_input_act` multiplies an INT8 tensorwise layer by its weight without calling
+   its forward; the change on such a layer must reach it anyway (and the report says how it was applied).
 """
 
 import gc
 import importlib
+import json
 import weakref
 
 import comfy.lora
@@ -22,17 +25,11 @@ import comfy.ops
 import pytest
 import torch
 import torch.nn.functional as F
+from comfy.quant_ops import QuantizedTensor
 from lycoris import create_lycoris_from_weights
 from lycoris_nodes.lycoris_core import load
-from lycoris_nodes.nodes.apply import patched_clone
-from patcher_util import (
-    CPU,
-    factory_model,
-    full_load,
-    lycoris_patches,
-    offload,
-    patcher,
-)
+from lycoris_nodes.nodes.apply import ApplyReport, patched_clone
+from patcher_util import CPU, factory_model, full_load, lycoris_patches, offload, patcher
 from reference.lycoris_factory import _class_presets_restored, base_model, probe
 from safetensors.torch import load_file
 from test_regressions import KEY_MAP, Net, hand_variants, inputs, layer_of
@@ -47,6 +44,7 @@ NOISE = 1e-6  # float32 forward noise, relative to ‖y‖
 HAS_DYNAMIC_VRAM = hasattr(comfy.model_patcher, "ModelPatcherDynamic")
 # 0.33's transfer-buffer layout helpers (0.3.75 has no such module: no dynamic VRAM)
 memory_management = importlib.import_module("comfy.memory_management") if HAS_DYNAMIC_VRAM else None
+HAS_INT8_INPUT_ACT = hasattr(comfy.ops, "linear_input_act")
 READERS = ("locon_dora_out", "oft_rescaled", "glora", "ia3")  # DoRA, OFT, GLoRA, (IA)³: each reads W
 BYPASS_ATTRIBUTE = "_lycoris_bypass"
 
@@ -346,3 +344,83 @@ def test_adapter_tensors_are_staged_once_per_injection(variant):
         assert dict(patches[key].tensors) == tensors  # the same tensor objects...
         for n, t in tensors.items():  # ... still real CPU tensors holding what they held
             assert type(t) is torch.Tensor and t.device == CPU and torch.equal(t, saved[key][n]), n
+
+
+# --- 3. int8 layers ComfyUI multiplies without their forward ---------------------------------------------------------
+
+def int8_layer(weight: torch.Tensor, bias: torch.Tensor) -> torch.nn.Module:
+    """ComfyUI 0.33's INT8 tensorwise Linear (mixed_precision_ops, a `comfy_quant` QuantizedTensor), loaded from a
+    checkpoint-like state dict as ComfyUI loads one (comfy_kitchen quantizes `weight` for it)."""
+    q = QuantizedTensor.from_float(weight.float(), "TensorWiseINT8Layout")
+    ops = comfy.ops.mixed_precision_ops({}, compute_dtype=torch.float32)
+    holder = torch.nn.Module()
+    holder.add_module("layer", ops.Linear(weight.shape[1], weight.shape[0], bias=True))
+    holder.load_state_dict({
+        "layer.weight": q._qdata, "layer.weight_scale": q._params.scale, "layer.bias": bias.float(),
+        "layer.comfy_quant": torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8),
+    }, strict=True)
+    layer = holder.layer.requires_grad_(False)
+    assert isinstance(layer.weight, QuantizedTensor) and layer.weight._layout_cls == "TensorWiseINT8Layout"
+    return layer
+
+
+def gelu_input(seed: int = 3) -> torch.Tensor:
+    return torch.randn(24, 64, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("apply_mode", ["bypass", "auto"])
+@pytest.mark.parametrize("variant_id", ["locon", "lokr", "locon_dora_out"])
+def test_int8_layer_run_without_its_forward_gets_the_change(reference_files, bases, apply_mode, variant_id):
+    """`comfy.ops.linear_input_act(layer, x, "gelu_tanh")` on an INT8 tensorwise layer (what Wan/LTX feed-forwards
+    call) equals the truth: the file applied to the dequantized W, times gelu(x), within the int8 path's own error
+    (measured on the unpatched layer). The change is added to the weight when ComfyUI casts it (a weight_function,
+    which linear_input_act honours), so it is exact to fp32; the report counts it. The layer's own forward agrees."""
+    if not HAS_INT8_INPUT_ACT:
+        # 0.3.75 has neither int8 layouts nor linear_input_act: there every layer runs its forward
+        assert "TensorWiseINT8Layout" not in dir(comfy.quant_ops)
+        return
+    m = 0.8
+    base_params = bases[torch.float32][LAYER]
+    layer = int8_layer(base_params["weight"], base_params["bias"])
+    net = torch.nn.Module()
+    net.add_module(LAYER, layer)
+    dequantized, bias = layer.weight.dequantize().double(), layer.bias.double()
+    x = gelu_input()
+    act = F.gelu(x.double(), approximate="tanh")
+    with torch.no_grad():
+        before = comfy.ops.linear_input_act(layer, x, "gelu_tanh")
+    floor = float((before.double() - F.linear(act, dequantized, bias)).norm())  # the int8 kernel's own error
+    stored = (layer.weight._qdata.clone(), layer.weight._params.scale.clone())
+
+    generated = reference_files[variant_id]
+    patches, _ = lycoris_patches(load(generated.path), net, FILE_KEY_MAP)
+    report = ApplyReport("int8.safetensors", 1)
+    report.labels["test"] = 1
+    clone, bypassed = patched_clone(patcher(net), only_layer(patches), m, apply_mode=apply_mode,
+                                    key="lycoris:int8", report=report)
+    assert bypassed == 1 and not clone.patches
+    assert (report.bypassed, report.at_weight_cast) == (1, 1)
+    assert report.to_json()["at_weight_cast"] == 1
+    assert "1 in bypass, 1 of them added at the weight cast (int8 layers" in report.line(), report.line()
+
+    changed = (reference_weight(generated, dequantized, bias) if variant_id == "locon_dora_out"
+               else dequantized + reference_delta(generated))
+    truth = F.linear(act, dequantized + m * (changed - dequantized), bias)
+    change = float((truth - F.linear(act, dequantized, bias)).norm())
+    assert change > 20 * floor, "the change must stand out of the int8 error, or a dropped change would pass"
+    full_load(clone)
+    try:
+        weight = layer.weight  # nothing was merged (rounded) into the int8 weight
+        assert torch.equal(weight._qdata, stored[0]) and torch.equal(weight._params.scale, stored[1])
+        with torch.no_grad():
+            y = comfy.ops.linear_input_act(layer, x, "gelu_tanh")
+            own = layer(F.gelu(x, approximate="tanh"))
+    finally:
+        clone.unpatch_model(CPU)
+    error = float((y.double() - truth).norm())
+    assert error <= floor, f"linear_input_act: ‖error‖ {error:.3g} above the int8 floor {floor:.3g}"
+    assert_close_to_truth(y, truth, F.linear(act, dequantized, bias), "linear_input_act, fp32")
+    assert_close_to_truth(own, truth, F.linear(act, dequantized, bias), "the layer's forward")
+    assert list(layer.weight_function) == [] and not vars(layer).get("_lycoris_weight_change")
+    with torch.no_grad():
+        assert torch.equal(comfy.ops.linear_input_act(layer, x, "gelu_tanh"), before)  # the int8 path is back
