@@ -74,13 +74,17 @@ def skips_forward(layer: torch.nn.Module) -> bool:
             and not getattr(getattr(weight, "_params", None), "transposed", False))
 
 
-def _read_dtype(weight: torch.Tensor) -> torch.dtype:
-    """fp32, or fp64 for a weight stored in fp32 (its dynamic-VRAM geometry dtype, `_model_dtype`, where set): in
-    a dtype other than the stored one, ComfyUI's cast hands back a new tensor, and runs the merged patches on that
-    copy, never in place on a transfer buffer the layer's own cast reads next."""
+def _read_dtype(layer: torch.nn.Module, device: torch.device) -> torch.dtype:
+    """fp32, or fp64 for an fp32 weight (its dynamic-VRAM geometry dtype, `_model_dtype`, where set) that reaches
+    `device` through one of ComfyUI's transfer buffers (dynamic VRAM, or an offloaded layer). In a dtype other than
+    the stored one the cast hands back a new tensor: the merged patches run on that copy, never in place on a buffer
+    the layer's own cast reads next, and the read is no view of a buffer ComfyUI reuses."""
+    weight = layer.weight
     if isinstance(weight, QuantizedTensor):
         return torch.float32  # dequantising always makes a new tensor
-    return torch.float64 if getattr(weight, "_model_dtype", weight.dtype) == torch.float32 else torch.float32
+    through_buffer = hasattr(layer, "_v") or weight.device != device
+    stored = getattr(weight, "_model_dtype", weight.dtype)
+    return torch.float64 if through_buffer and stored == torch.float32 else torch.float32
 
 
 def float_weight(layer: torch.nn.Module, device: torch.device) -> torch.Tensor:
@@ -90,7 +94,7 @@ def float_weight(layer: torch.nn.Module, device: torch.device) -> torch.Tensor:
     path; a new tensor, so it is released at once and holds nothing of ComfyUI's while the layer's forward runs."""
     if not is_comfy_op(layer):
         return _own_float_weight(layer, device)
-    dtype = _read_dtype(layer.weight)
+    dtype = _read_dtype(layer, device)
     weight, bias, offload = comfy.ops.cast_bias_weight(layer, dtype=dtype, device=device, bias_dtype=dtype,
                                                        offloadable=True)
     try:
