@@ -145,9 +145,14 @@ def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: tor
     return layer.requires_grad_(False)
 
 
+def stored(weight: torch.Tensor) -> torch.Tensor:
+    """The values a weight holds as stored: a QuantizedTensor's packed data, else the tensor itself."""
+    return weight._qdata if isinstance(weight, QuantizedTensor) else weight.detach()
+
+
 def storage_dtype(weight: torch.Tensor) -> torch.dtype:
     """The dtype a weight's values are held in (a QuantizedTensor's packed data; 0.33 reports its compute dtype)."""
-    return weight._qdata.dtype if isinstance(weight, QuantizedTensor) else weight.dtype
+    return stored(weight).dtype
 
 
 def fp8_storage(layer: torch.nn.Module) -> tuple[torch.Tensor, float]:
