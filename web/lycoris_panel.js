@@ -261,7 +261,7 @@ class LycorisPanel {
             out.push(this.coverage(report));
             if (report.blocks?.length) out.push(this.chart(report.blocks));
             else if (report.blocks === null && report.applied > 0) {
-                const note = "per-block change not measured here (large file): see LyCORIS Info";
+                const note = `per-block change not measured here (${report.not_measured || "large file"}): see LyCORIS Info`;
                 out.push(el("div", "lycoris-note", note));
             }
         } else if (report) {
