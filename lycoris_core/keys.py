@@ -6,6 +6,7 @@ suffix rather than at a dot.
 """
 
 from .algos import BIAS_ALGORITHMS, WEIGHT_ALGORITHMS
+from .algos.kohya_oft import BLOCKS as KOHYA_OFT_BLOCKS
 
 ALPHA, DORA_SCALE = "alpha", "dora_scale"
 
@@ -47,9 +48,24 @@ _SPLITS: tuple[tuple[str, str], ...] = tuple(sorted(
 ))
 
 
+# kohya sd-scripts' OFT (networks/oft.py) names its U-Net modules `oft_unet_…` where its LoRA writes `lora_unet_…`, and
+# defines its blocks its own way: the prefix is read as the LoRA one (which ComfyUI's key maps know), the blocks as
+# kohya's (algos/kohya_oft.py) rather than LyCORIS' diag-OFT.
+PREFIX_RENAMES: dict[str, tuple[str, dict[str, str]]] = {
+    "oft_unet_": ("lora_unet_", {"oft_blocks": KOHYA_OFT_BLOCKS}),
+}
+
+
+def _renamed(prefix: str, suffix: str) -> tuple[str, str]:
+    for written, (read_as, suffixes) in PREFIX_RENAMES.items():
+        if prefix.startswith(written):
+            return read_as + prefix[len(written):], suffixes.get(suffix, suffix)
+    return prefix, suffix
+
+
 def split_key(key: str) -> tuple[str, str] | None:
     """(module prefix, canonical suffix), or None when the key ends in no suffix we know."""
     for written, canonical in _SPLITS:
         if key.endswith(written) and len(key) > len(written):
-            return key[: -len(written)], canonical
+            return _renamed(key[: -len(written)], canonical)
     return None

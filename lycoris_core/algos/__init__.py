@@ -4,7 +4,7 @@ A module's weight is patched by the first algorithm in WEIGHT_ALGORITHMS whose m
 algorithm in BIAS_ALGORITHMS whose marker it has.
 """
 
-from . import boft, full, glora, ia3, locon, loha, lokr, oft
+from . import boft, full, glora, ia3, kohya_oft, locon, loha, lokr, oft
 from .base import Algorithm, Layout, ShapeError, Tensors
 
 WEIGHT_ALGORITHMS: tuple[Algorithm, ...] = (
@@ -14,6 +14,7 @@ WEIGHT_ALGORITHMS: tuple[Algorithm, ...] = (
     lokr.ALGORITHM,
     full.FULL,
     full.NORM,
+    kohya_oft.ALGORITHM,  # its own marker (keys.py), before LyCORIS' diag-OFT all the same
     oft.ALGORITHM,
     boft.ALGORITHM,
     glora.ALGORITHM,
