@@ -1,0 +1,78 @@
+"""PEFT's (IA)³ (`ia3_l`): the weight scaled per OUTPUT channel, or per INPUT channel on feed-forward layers.
+
+    normal layer:        W'[o, …] = l[o] · W[o, …]         `ia3_l` (out, 1); conv (1, out, 1, 1)
+    feed-forward layer:  W'[:, i, …] = l[i] · W[:, i, …]   `ia3_l` (1, in);  conv (1, in, 1, 1)
+    so ΔW = (l − 1) ⊙ W along that axis (l = 1 is "no change", unlike LyCORIS' (IA)³ where it is 0).
+
+Which side: a Linear's shape tells; a conv's does not, so it comes from the config (`feedforward_modules`, as the
+scalar entry `peft_option.is_feedforward`), else from the weight when only one of its channel counts fits, else
+PEFT's default (not feed-forward), listed in the layout's `assumed`.
+PEFT's merge also scales a normal layer's bias by l; that part is not applied here (the weight only).
+
+Patched as W += m·((l − 1) ⊙ W), one in-place addcmul_ broadcast along the axis (no weight-sized temporary).
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .base import Algorithm, Layout, ShapeError, Tensors, expect, require
+from .peft_oft import OPTION_PREFIX, read_options
+
+SCALES = "ia3_l"
+FEEDFORWARD = "is_feedforward"
+OPTION_KEYS = (OPTION_PREFIX + FEEDFORWARD,)
+
+
+@dataclass(frozen=True)
+class PeftIA3Layout(Layout):
+    axis: int | None = None  # 0: output channels, 1: input channels; None until the weight tells (resolve)
+    length: int = 0
+    assumed: tuple[str, ...] = ()
+
+    def resolve(self, weight_shape: tuple[int, ...]) -> Layout:
+        fits = [axis for axis in (0, 1) if len(weight_shape) > axis and weight_shape[axis] == self.length]
+        if self.axis is not None:
+            if self.axis in fits:
+                return self
+            side = "input" if self.axis else "output"
+            raise ShapeError(f"(IA)3 scales {self.length} {side} channels, the weight's shape is "
+                             f"{list(weight_shape)}", SCALES)
+        if not fits:
+            raise ShapeError(f"(IA)3 scales {self.length} channels, the weight's shape is {list(weight_shape)}",
+                             SCALES)
+        if len(fits) == 1:
+            return replace(self, axis=fits[0])
+        return replace(self, axis=0, assumed=self.assumed + (f"{FEEDFORWARD}=False",))
+
+
+def axis_from_shape(scales: torch.Tensor) -> int | None:
+    """A Linear's (out, 1) or (1, in) tells the side; a conv's (1, n, 1, 1) and a (1, 1) do not."""
+    if scales.ndim == 2 and scales.shape[0] > 1 and scales.shape[1] == 1:
+        return 0
+    if scales.ndim == 2 and scales.shape[0] == 1 and scales.shape[1] > 1:
+        return 1
+    return None
+
+
+def layout(t: Tensors, alpha: float | None) -> Layout:
+    (scales,) = require(t, SCALES)
+    expect(scales.ndim >= 2 and sorted(scales.shape)[-2] == 1 and (scales.ndim == 2 or scales.shape[0] == 1),
+           f"ia3_l must be (out, 1), (1, in) or (1, n, 1, …), got {list(scales.shape)}", SCALES)
+    axis = axis_from_shape(scales)
+    if axis is None and OPTION_PREFIX + FEEDFORWARD in t:
+        options, _ = read_options(t, {FEEDFORWARD: False})
+        axis = 1 if options[FEEDFORWARD] else 0
+    return PeftIA3Layout(None, 1.0, out=-1, axis=axis, length=scales.numel())
+
+
+def add_into(t: Tensors, lay: PeftIA3Layout, weight: torch.Tensor, m: float, out: torch.Tensor) -> None:
+    shape = [1] * weight.ndim
+    shape[lay.axis] = lay.length
+    out.addcmul_(weight, t[SCALES].reshape(shape) - 1, value=m)
+
+
+ALGORITHM = Algorithm(
+    name="peft-ia3", label="(IA)³ (PEFT)", markers=(SCALES,), keys=(SCALES, *OPTION_KEYS),
+    layout=layout, add_into=add_into, uses_alpha=False,
+)

@@ -1,0 +1,261 @@
+"""PEFT's own OFT, BOFT and (IA)³ files, applied as PEFT defines them (issue #10).
+
+The adapters are made by PEFT 0.21 on small modules (Linear, 1×1 and 3×3 Conv2d), perturbed so the change is not
+zero, and saved by PEFT's own helpers (`get_peft_model_state_dict` + safetensors with the config in
+`lora_adapter_metadata`, and `save_pretrained`). The truth is PEFT's `merge_and_unload()`: W_merged − W per layer.
+We apply W + s·(W_merged − W) (linear strength) and ask for fp32 error ≤ 1e-4 of the change, by merge and by the
+bypass forward.
+"""
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lycoris_nodes.lycoris_core import apply, load, parse_state_dict
+from lycoris_nodes.lycoris_core.algos import option_entries
+from lycoris_nodes.lycoris_core.bypass import Contribution, LayerOp, forward
+from lycoris_nodes.lycoris_core.keys import split_key
+from lycoris_nodes.lycoris_core.module import detect
+from safetensors.torch import save_file
+from torch import nn
+
+peft = pytest.importorskip("peft")
+boft_layer = pytest.importorskip("peft.tuners.boft.layer")
+
+PREFIX = "base_model.model."
+STRENGTHS = (1.0, 0.5, -1.0)
+TOLERANCE = 1e-4
+
+
+class Net(nn.Module):
+    """One of each layer kind; `square` has as many inputs as outputs (a conv (IA)³ shape that tells no side)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 12)
+        self.ff = nn.Linear(32, 12)
+        self.pw = nn.Conv2d(16, 6, 1)
+        self.conv = nn.Conv2d(8, 6, 3, padding=1)
+        self.square = nn.Conv2d(6, 6, 1)
+
+
+LAYERS = {"lin": LayerOp(), "ff": LayerOp(), "pw": LayerOp(2, (1, 1), (0, 0), (1, 1)),
+          "conv": LayerOp(2, (1, 1), (1, 1), (1, 1)), "square": LayerOp(2, (1, 1), (0, 0), (1, 1))}
+INPUTS = {"lin": (5, 32), "ff": (5, 32), "pw": (2, 16, 5, 5), "conv": (2, 8, 5, 5), "square": (2, 6, 5, 5)}
+
+
+class FakeBlockDiagKernel:
+    """Stands in for PEFT's CUDA block-diagonal kernel (fbd_cuda), which only lets PEFT keep more than one butterfly
+    factor: (N, D, b, b) -> [(N, D·b, D·b)], each factor's blocks on the diagonal, as the kernel computes."""
+
+    @staticmethod
+    def forward(blocks):
+        return [torch.stack([torch.block_diag(*factor) for factor in blocks])]
+
+
+def _oft(**options):
+    return peft.OFTConfig(r=0, oft_block_size=4, target_modules=["lin", "pw", "conv"], init_weights=False,
+                          **options)
+
+
+def _boft(**options):
+    return peft.BOFTConfig(target_modules=["lin", "pw", "conv"], init_weights=False, **options)
+
+
+def _ia3(**options):
+    return peft.IA3Config(target_modules=["lin", "ff", "pw", "conv", "square"], init_ia3_weights=False, **options)
+
+
+# id -> (config, layers it adapts). Every OFT option that changes the maths, BOFT's factor settings, IA3's sides.
+VARIANTS = {
+    "oft-neumann-default": (_oft(), ("lin", "pw", "conv")),
+    "oft-neumann-3-terms": (_oft(num_cayley_neumann_terms=3), ("lin", "pw", "conv")),
+    "oft-exact-cayley": (_oft(use_cayley_neumann=False), ("lin", "pw", "conv")),
+    "oft-block-share": (_oft(block_share=True), ("lin", "pw", "conv")),
+    "oft-coft": (_oft(coft=True, eps=0.2), ("lin", "pw", "conv")),
+    "oft-coft-exact": (_oft(coft=True, eps=0.2, use_cayley_neumann=False), ("lin", "pw", "conv")),
+    "boft-1-factor": (_boft(boft_block_size=4), ("lin", "pw", "conv")),
+    "boft-2-factors": (_boft(boft_block_size=4, boft_n_butterfly_factor=2), ("lin", "pw", "conv")),
+    "boft-3-factors": (_boft(boft_block_size=2, boft_n_butterfly_factor=3), ("lin", "pw", "conv")),
+    "ia3-normal": (_ia3(feedforward_modules=[]), ("lin", "ff", "pw", "conv", "square")),
+    "ia3-feedforward": (_ia3(feedforward_modules=["ff", "conv", "square"]), ("lin", "ff", "pw", "conv", "square")),
+}
+
+
+def make_adapter(variant_id):
+    """(PeftModel, state dict, {layer: (W, W_merged − W)}) for one variant, seeded."""
+    config, layers = VARIANTS[variant_id]
+    torch.manual_seed(sum(map(ord, variant_id)))
+    base = Net()
+    weights = {name: getattr(base, name).weight.detach().clone() for name in layers}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT warns that no CUDA kernel was found
+        model = peft.get_peft_model(base, copy.deepcopy(config))
+        state = {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+        merged = copy.deepcopy(model).merge_and_unload()
+    truth = {name: (weights[name], getattr(merged, name).weight.detach() - weights[name]) for name in layers}
+    return model, state, truth
+
+
+@pytest.fixture(autouse=True)
+def fake_butterfly_kernel(monkeypatch):
+    monkeypatch.setattr(boft_layer, "_FBD_CUDA", FakeBlockDiagKernel())
+
+
+def _config_json(config):
+    return json.dumps(config.to_dict(), default=sorted)
+
+
+def save_metadata_file(variant_id, directory):
+    """get_peft_model_state_dict saved with the config in `lora_adapter_metadata`, as diffusers does."""
+    model, state, truth = make_adapter(variant_id)
+    path = directory / f"{variant_id}.safetensors"
+    save_file(state, str(path), metadata={"lora_adapter_metadata": _config_json(model.peft_config["default"])})
+    return path, state, truth
+
+
+def _with_options(state, variant_id):
+    """The state dict grouped and given each module's PEFT options as option_entries makes them (what the loader
+    adds from the file's config)."""
+    options = json.loads(_config_json(VARIANTS[variant_id][0]))
+    out = dict(state)
+    groups = {}
+    for key, tensor in state.items():
+        prefix, suffix = split_key(key)
+        groups.setdefault(prefix, {})[suffix] = tensor
+    for prefix, group in groups.items():
+        (algorithm,) = detect(group)
+        for suffix, tensor in option_entries(algorithm, options, prefix.removeprefix(PREFIX)).items():
+            out[f"{prefix}.{suffix}"] = tensor
+    return out
+
+
+def _relative_error(got, want):
+    return float((got - want).norm() / want.norm())
+
+
+def _check_merge(lfile, truth, strength):
+    for name, (weight, change) in truth.items():
+        module = lfile.modules[f"{PREFIX}{name}.weight"]
+        plan = module.plan_for(tuple(weight.shape))
+        patched = apply(plan, module.tensors, weight.clone(), strength)
+        error = _relative_error(patched - weight, strength * change)
+        assert error <= TOLERANCE, f"{name} at strength {strength}: {error:.2e} of the change"
+
+
+@pytest.mark.parametrize("strength", STRENGTHS)
+@pytest.mark.parametrize("variant_id", sorted(VARIANTS))
+def test_merge_equals_peft_merge(variant_id, strength):
+    _, state, truth = make_adapter(variant_id)
+    lfile = parse_state_dict(_with_options(state, variant_id), variant_id)
+    assert not lfile.unused
+    _check_merge(lfile, truth, strength)
+
+
+@pytest.mark.parametrize("variant_id", ["oft-neumann-default", "oft-block-share", "boft-1-factor", "boft-2-factors",
+                                        "ia3-normal"])
+@pytest.mark.parametrize("strength", STRENGTHS)
+def test_file_with_default_options_applies(tmp_path, variant_id, strength):
+    """Files whose options are PEFT's defaults (or told by the shapes) need nothing from the config."""
+    path, _, truth = save_metadata_file(variant_id, tmp_path)
+    lfile = load(path)
+    assert not lfile.unused
+    _check_merge(lfile, {k: v for k, v in truth.items() if k != "square"}, strength)
+
+
+@pytest.mark.parametrize("variant_id", ["oft-neumann-default", "boft-2-factors", "ia3-feedforward"])
+def test_save_pretrained_file_applies(tmp_path, variant_id):
+    model, _, truth = make_adapter(variant_id)
+    model.save_pretrained(str(tmp_path))
+    lfile = load(tmp_path / "adapter_model.safetensors")
+    assert not lfile.unused
+    # square conv: its side is only in the config (the loader's part); the Linear and the other convs tell by shape
+    _check_merge(lfile, {k: v for k, v in truth.items() if k != "square"}, 1.0)
+
+
+# Options the tensors do not tell, which only the file's config gives: applied once the loader hands modules their
+# config (peft_config.module_options → algos.option_entries in build_modules, another part of issue #10).
+NEEDS_CONFIG = {"oft-neumann-3-terms", "oft-exact-cayley", "oft-coft", "oft-coft-exact", "ia3-feedforward"}
+_LOADER_PENDING = pytest.mark.xfail(strict=True, reason="the loader does not yet pass the PEFT config to modules")
+
+
+@pytest.mark.parametrize("variant_id", [pytest.param(v, marks=_LOADER_PENDING) if v in NEEDS_CONFIG else v
+                                        for v in sorted(VARIANTS)])
+def test_file_options_reach_the_algorithm(tmp_path, variant_id):
+    """Every option in the saved config is applied when the file is loaded: the loader hands each module its
+    options (peft_config + option_entries). Square convs included: their (IA)³ side is only in the config."""
+    path, _, truth = save_metadata_file(variant_id, tmp_path)
+    _check_merge(load(path), truth, 1.0)
+
+
+@pytest.mark.parametrize("strength", STRENGTHS)
+@pytest.mark.parametrize("variant_id", ["oft-neumann-default", "oft-exact-cayley", "oft-block-share", "oft-coft",
+                                        "boft-2-factors", "boft-3-factors", "ia3-normal", "ia3-feedforward"])
+def test_bypass_equals_merge(variant_id, strength):
+    _, state, truth = make_adapter(variant_id)
+    lfile = parse_state_dict(_with_options(state, variant_id), variant_id)
+    torch.manual_seed(1)
+    for name, (weight, change) in truth.items():
+        module = lfile.modules[f"{PREFIX}{name}.weight"]
+        plan = module.plan_for(tuple(weight.shape))
+        op, x = LAYERS[name], torch.randn(INPUTS[name])
+        y = forward(x, op(x, weight), op, [Contribution(plan, module.tensors, strength)],
+                    lambda w=weight: w, tuple(weight.shape))
+        want = op(x, strength * change)
+        error = _relative_error(y - op(x, weight), want)
+        assert error <= TOLERANCE, f"{name} at strength {strength}: {error:.2e} of the change"
+
+
+def test_peft_algorithms_are_told_apart_from_lycoris():
+    for variant_id, label in [("oft-neumann-default", "OFT (PEFT)"), ("boft-1-factor", "BOFT (PEFT)"),
+                              ("ia3-normal", "(IA)³ (PEFT)")]:
+        _, state, _ = make_adapter(variant_id)
+        labels = {m.label for m in parse_state_dict(state, variant_id).modules.values()}
+        assert labels == {label}
+
+
+def test_square_conv_ia3_without_config_assumes_output_side():
+    """A conv's ia3_l (1, n, 1, 1) does not say which side; with in = out and no config, PEFT's default (not
+    feed-forward) is taken and listed as assumed; with the config's feedforward_modules, the input side."""
+    _, state, truth = make_adapter("ia3-feedforward")
+    weight, _ = truth["square"]
+    bare = parse_state_dict(state, "bare").modules[f"{PREFIX}square.weight"].plan_for(tuple(weight.shape))
+    assert bare.layout.axis == 0 and bare.layout.assumed == ("is_feedforward=False",)
+    told = parse_state_dict(_with_options(state, "ia3-feedforward"), "told")
+    plan = told.modules[f"{PREFIX}square.weight"].plan_for(tuple(weight.shape))
+    assert plan.layout.axis == 1 and plan.layout.assumed == ()
+    # the non-square conv needs no config: only its input count fits
+    conv_weight, _ = truth["conv"]
+    conv = parse_state_dict(state, "bare").modules[f"{PREFIX}conv.weight"].plan_for(tuple(conv_weight.shape))
+    assert conv.layout.axis == 1
+
+
+def test_oft_options_missing_from_the_file_are_listed():
+    _, state, _ = make_adapter("oft-neumann-default")
+    module = parse_state_dict(state, "bare").modules[f"{PREFIX}lin.weight"]
+    assert set(module.layout.assumed) == {"use_cayley_neumann=True", "num_cayley_neumann_terms=5", "coft=False",
+                                          "eps=6e-05"}
+    told = parse_state_dict(_with_options(state, "oft-neumann-default"), "told").modules[f"{PREFIX}lin.weight"]
+    assert told.layout.assumed == ()
+
+
+def test_shapes_that_do_not_fit_are_refused_at_plan_time():
+    from lycoris_nodes.lycoris_core import LycorisError
+
+    _, state, _ = make_adapter("oft-neumann-default")
+    lfile = parse_state_dict(state, "oft")
+    with pytest.raises(LycorisError, match="OFT rotates"):
+        lfile.modules[f"{PREFIX}lin.weight"].plan_for((12, 30))
+    _, state, _ = make_adapter("boft-1-factor")
+    with pytest.raises(LycorisError):
+        parse_state_dict(state, "boft").modules[f"{PREFIX}lin.weight"].plan_for((12, 30))
+
+
+def test_conv_bypass_reference_is_the_real_conv():
+    """The bypass truth op(x, W + ΔW) is F.conv2d itself (guards the LayerOp geometry used above)."""
+    weight = torch.randn(6, 8, 3, 3)
+    x = torch.randn(2, 8, 5, 5)
+    assert torch.allclose(LAYERS["conv"](x, weight), F.conv2d(x, weight, padding=1))
