@@ -259,3 +259,48 @@ def test_conv_bypass_reference_is_the_real_conv():
     weight = torch.randn(6, 8, 3, 3)
     x = torch.randn(2, 8, 5, 5)
     assert torch.allclose(LAYERS["conv"](x, weight), F.conv2d(x, weight, padding=1))
+
+
+def _comfy_net(weights):
+    """Net's adapted layers as the comfy.ops layers ComfyUI holds an fp32 model in, holding `weights`."""
+    import comfy.ops
+
+    ops, template, net = comfy.ops.disable_weight_init, Net(), nn.Module()
+    for name, weight in weights.items():
+        layer = getattr(template, name)
+        if isinstance(layer, nn.Linear):
+            made = ops.Linear(layer.in_features, layer.out_features, bias=False)
+        else:
+            made = ops.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, padding=layer.padding,
+                              bias=False)
+        made.weight = nn.Parameter(weight.clone(), requires_grad=False)
+        net.add_module(name, made)
+    return net
+
+
+@pytest.mark.parametrize("strength", (1.0, -1.0))
+@pytest.mark.parametrize("variant_id", ["oft-coft", "boft-2-factors", "ia3-feedforward"])
+def test_comfy_patcher_full_and_offloaded_load(variant_id, strength):
+    """Through ComfyUI's own ModelPatcher: merged at a full load, and as LowVramPatch at an offloaded forward."""
+    from patcher_util import forward_params, full_load, lowvram_patched, lycoris_patches, offload, patcher
+
+    _, state, truth = make_adapter(variant_id)
+    net = _comfy_net({name: weight for name, (weight, _) in truth.items()})
+    key_map = {f"{PREFIX}{name}": f"{name}.weight" for name in truth}
+    patches, report = lycoris_patches(_with_options(state, variant_id), net, key_map)
+    assert not report.problems and len(report.applied) == len(truth)
+    mp = patcher(net)
+    mp.add_patches(patches, strength)
+    full_load(mp)
+    for name, (weight, change) in truth.items():
+        error = _relative_error(getattr(net, name).weight - weight, strength * change)
+        assert error <= TOLERANCE, f"full load, {name}: {error:.2e} of the change"
+    mp.unpatch_model(torch.device("cpu"))
+    offload(mp)
+    for name, (weight, change) in truth.items():
+        layer = getattr(net, name)
+        assert lowvram_patched(layer)
+        seen, _ = forward_params(layer, torch.randn(INPUTS[name]))
+        error = _relative_error(seen - weight, strength * change)
+        assert error <= TOLERANCE, f"offloaded, {name}: {error:.2e} of the change"
+    mp.unpatch_model(torch.device("cpu"))
