@@ -78,6 +78,7 @@ class FileSummary:
     lycoris_config: dict | None
     metadata_count: int
     unused_keys: int
+    made_by: dict[str, str | None] = field(default_factory=dict)  # trainer, format, evidence, line (see made_by)
     modules: list[ModuleSummary] = field(default_factory=list, repr=False)
 
     def to_json(self, with_modules: bool = False) -> dict:
@@ -98,6 +99,8 @@ class FileSummary:
             (f"tensors: {', '.join(f'{d} ×{n}' for d, n in self.dtypes.items())}; {self.params:,} parameters; "
              f"{self.size_bytes / 2**20:.1f} MiB"),
         ]
+        if self.made_by:
+            lines.append(self.made_by["line"])
         if self.conv_rank:
             lines.append(f"conv layers: rank {_span(self.conv_rank)}")
         if self.dora_axis:
@@ -205,6 +208,83 @@ def declared_family(metadata: dict[str, str]) -> str | None:
     return metadata.get("ss_base_model_version") or metadata.get("modelspec.architecture") or None
 
 
+# --- which trainer wrote the file, and in which name style ---------------------------------------------------------
+# What each trainer's saver writes, as read in its source:
+#   OneTrainer (Nerogar/OneTrainer modules/modelSaver/BaseModelSaver._create_safetensors_header): ot_branch,
+#     ot_revision (+ ot_config), modelspec.*, and ss_base_model_version for SDXL only.
+#   ai-toolkit (ostris/ai-toolkit toolkit/metadata.get_meta_for_safetensors): software = {"name": "ai-toolkit", …}.
+#   SimpleTuner (bghira/SimpleTuner helpers/training/save_hooks._save_lycoris): LyCORIS files with lycoris_config
+#     and nothing else; its PEFT LoRAs are diffusers' save_lora_weights files, indistinguishable from other ones;
+#     its LyCORIS extract tool writes format = simpletuner-lycoris-extract.
+#   musubi-tuner (kohya-ss/musubi-tuner utils/sai_model_spec.build_metadata): sd-scripts' ss_* keys plus
+#     modelspec.implementation = the model's own repository (below).
+#   kohya sd-scripts (train_network.py): ss_* keys; ss_network_module names the network (lycoris.kohya for LyCORIS).
+#   diffusers save_lora_weights: lora_adapter_metadata (the PEFT config) when the caller passes it.
+MUSUBI_IMPLEMENTATIONS = ("https://github.com/Tencent/HunyuanVideo", "https://github.com/Wan-Video/Wan2.1",
+                          "https://github.com/lllyasviel/FramePack", "https://github.com/QwenLM/Qwen-Image")
+# Key-name styles, first match wins: (format, regex over the file's keys).
+KEY_STYLES: tuple[tuple[str, str], ...] = (
+    ("PEFT save_pretrained names (base_model.model.…)", r"^base_model\.model\."),
+    ("kohya sd-scripts OFT names (oft_unet_…)", r"^oft_unet_"),
+    ("diffusers/PEFT names (lora_A/lora_B)", r"\.lora_[AB]\.(default\.)?weight$"),
+    ("diffusers attention-processor names (lora.down/lora.up)", r"[._]lora\.(down|up)\.weight$"),
+    ("LyCORIS wrapper names (lycoris_…)", r"^lycoris_"),
+    ("kohya names (lora_unet_… / lora_te…)", r"^lora_(unet|te\d?|transformer)_"),
+    ("original-model names (diffusion_model.…)", r"^(diffusion_model|model\.diffusion_model)\."),
+    ("diffusers names (unet./transformer./text_encoder.…)", r"^(unet|transformer|text_encoder(_\d)?)\."),
+)
+
+
+def _software_name(metadata: dict[str, str]) -> str | None:
+    try:
+        software = json.loads(metadata.get("software") or "null")
+    except json.JSONDecodeError:
+        return None
+    return software.get("name") if isinstance(software, dict) else None
+
+
+def _trainer(metadata: dict[str, str]) -> tuple[str | None, str]:
+    """(trainer, evidence) from the metadata trainers write; (None, why not) when none names itself."""
+    ot_keys = [k for k in ("ot_revision", "ot_branch", "ot_config") if k in metadata]
+    if ot_keys:
+        return "OneTrainer", f"{ot_keys[0]} in metadata"
+    if _software_name(metadata) == "ai-toolkit":
+        return "ai-toolkit", "software = ai-toolkit in metadata"
+    if metadata.get("format") == "simpletuner-lycoris-extract":
+        return "SimpleTuner", "format = simpletuner-lycoris-extract in metadata"
+    module = metadata.get("ss_network_module")
+    has_ss = any(k.startswith("ss_") for k in metadata)
+    if has_ss and metadata.get("modelspec.implementation") in MUSUBI_IMPLEMENTATIONS:
+        return "musubi-tuner", f"ss_ keys and modelspec.implementation = {metadata['modelspec.implementation']}"
+    if has_ss:
+        return "kohya sd-scripts", f"ss_network_module = {module}" if module else "ss_ keys in metadata"
+    if "lycoris_config" in metadata:
+        return "SimpleTuner", "lycoris_config and no other metadata, as SimpleTuner's LyCORIS saver writes"
+    if "lora_adapter_metadata" in metadata:
+        return None, "diffusers' lora_adapter_metadata names no trainer"
+    return None, "no trainer metadata"
+
+
+def _key_style(keys: list[str], metadata: dict[str, str]) -> str:
+    if metadata.get("ss_network_module") == "lycoris.kohya":
+        return "LyCORIS through sd-scripts (kohya names)"
+    for style, pattern in KEY_STYLES:
+        if any(re.search(pattern, key) for key in keys):
+            return style
+    return "unrecognised names"
+
+
+def made_by(keys: list[str], metadata: dict[str, str]) -> dict[str, str | None]:
+    """The trainer and format a file shows: trainer from its metadata, format from its key names (and from
+    diffusers' lora_adapter_metadata). `line` is the one line the Info node and the panel show."""
+    trainer, evidence = _trainer(metadata)
+    style = _key_style(keys, metadata)
+    if "lora_adapter_metadata" in metadata:
+        style += ", diffusers save_lora_weights with its PEFT config"
+    line = f"made by: {trainer or 'unknown trainer'}; {style} ({evidence})"
+    return {"trainer": trainer, "format": style, "evidence": evidence, "line": line}
+
+
 def summarize(path) -> FileSummary:
     reader = SafetensorsFile(path)
     groups, unknown = group_keys(_shape_only(reader), reader.name)
@@ -243,7 +323,8 @@ def summarize(path) -> FileSummary:
         trigger_words=trigger_words(meta),
         title=meta.get("modelspec.title") or meta.get("ss_output_name") or None,
         training={label: meta[key] for key, label in TRAINING_KEYS.items() if meta.get(key)},
-        lycoris_config=lycoris_config, metadata_count=len(meta), unused_keys=unused, modules=modules,
+        lycoris_config=lycoris_config, metadata_count=len(meta), unused_keys=unused,
+        made_by=made_by(list(reader.entries), meta), modules=modules,
     )
 
 

@@ -425,6 +425,7 @@ class LycorisPanel {
             else if (base.inferred && base.inferred !== base.declared) text += ` (declared), ${base.inferred} (from its keys)`;
             box.appendChild(el("div", "lycoris-base", text));
         }
+        if (info.made_by?.line) box.appendChild(el("div", "lycoris-base", info.made_by.line));
         const training = entries(info.training);
         if (training.length) {
             // Full training metadata as a tooltip: the panel stays small.

@@ -1,0 +1,145 @@
+"""The inspector names the trainer and the format of a file: `summarize(...).made_by`, its text line and JSON.
+
+Files from tools installed here are written by those tools (lycoris-lora's own save_weights, PEFT's save_pretrained,
+diffusers' save_lora_weights); for trainers that are not installable (OneTrainer, ai-toolkit, musubi-tuner,
+sd-scripts) the metadata is what their savers write, as read in their source (cited at each fixture).
+"""
+
+import json
+
+import pytest
+import torch
+from lycoris_nodes.lycoris_core.summary import summarize
+from safetensors.torch import save_file
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.to_q = nn.Linear(16, 16)
+        self.to_k = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.to_k(self.to_q(x))
+
+
+def _lora(prefix: str, suffixes=("lora_down.weight", "lora_up.weight"), rank=4) -> dict[str, torch.Tensor]:
+    down, up = suffixes
+    return {f"{prefix}.{down}": torch.randn(rank, 16) * 0.1, f"{prefix}.{up}": torch.randn(16, rank) * 0.1}
+
+
+def _write(tmp_path, name, sd, metadata=None):
+    path = tmp_path / name
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path), metadata=metadata)
+    return path
+
+
+def _made_by(path):
+    summary = summarize(path)
+    data = summary.to_json()["made_by"]
+    assert data["line"] in summary.text()  # the Info node's text shows it
+    assert json.loads(json.dumps(data)) == data  # and the panel's JSON carries it
+    return data
+
+
+# --- files written by the real tools ---------------------------------------------------------------------------------
+
+def _lycoris_file(tmp_path, metadata):
+    from lycoris import create_lycoris
+
+    net = create_lycoris(Block(), 1.0, linear_dim=4, linear_alpha=2.0, algo="lokr")
+    net.apply_to()
+    path = tmp_path / "lycoris.safetensors"
+    net.save_weights(str(path), torch.float32, metadata)
+    return path
+
+
+def test_lycoris_wrapper_file_without_metadata_names_its_format_not_a_trainer(tmp_path):
+    made = _made_by(_lycoris_file(tmp_path, None))
+    assert made["trainer"] is None
+    assert made["format"].startswith("LyCORIS wrapper names")
+    assert made["line"] == "made by: unknown trainer; LyCORIS wrapper names (lycoris_…) (no trainer metadata)"
+
+
+def test_lycoris_file_with_lycoris_config_is_simpletuner(tmp_path):
+    # bghira/SimpleTuner helpers/training/save_hooks.py _save_lycoris: save_weights(…, {"lycoris_config": json})
+    made = _made_by(_lycoris_file(tmp_path, {"lycoris_config": json.dumps({"algo": "lokr", "linear_dim": 4})}))
+    assert made["trainer"] == "SimpleTuner"
+    assert made["format"].startswith("LyCORIS wrapper names")
+
+
+def test_peft_save_pretrained(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(Block(), LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k"]))
+    model.save_pretrained(str(tmp_path / "peft"))
+    made = _made_by(tmp_path / "peft" / "adapter_model.safetensors")
+    assert made["trainer"] is None
+    assert made["format"] == "PEFT save_pretrained names (base_model.model.…)"
+
+
+@pytest.mark.parametrize("with_config", [True, False])
+def test_diffusers_save_lora_weights(tmp_path, with_config):
+    from diffusers import StableDiffusionPipeline
+
+    layers = _lora("down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q", ("lora_A.weight", "lora_B.weight"))
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["to_q"]} if with_config else None
+    StableDiffusionPipeline.save_lora_weights(str(tmp_path), unet_lora_layers=layers, unet_lora_adapter_metadata=config)
+    made = _made_by(tmp_path / "pytorch_lora_weights.safetensors")
+    assert made["trainer"] is None
+    expected = "diffusers/PEFT names (lora_A/lora_B)"
+    assert made["format"] == (expected + ", diffusers save_lora_weights with its PEFT config" if with_config
+                              else expected)
+
+
+# --- metadata as each trainer's saver writes it ------------------------------------------------------------------
+
+KOHYA_SD15 = _lora("lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q")
+CASES = {
+    # Nerogar/OneTrainer modules/modelSaver/BaseModelSaver.py _create_safetensors_header: modelspec + ot_branch,
+    # ot_revision (+ ot_config) + ss_base_model_version for SDXL: ss_ keys, yet not sd-scripts
+    "onetrainer": (KOHYA_SD15, {"modelspec.sai_model_spec": "1.0.0", "modelspec.architecture":
+                                "stable-diffusion-xl-v1-base/lora", "ot_branch": "master",
+                                "ot_revision": "0123abc", "ss_base_model_version": "sdxl_"},
+                   "OneTrainer", "kohya names (lora_unet_… / lora_te…)"),
+    # ostris/ai-toolkit toolkit/metadata.py get_meta_for_safetensors: software (JSON of info.py) and format = pt
+    "ai-toolkit": (_lora("diffusion_model.double_blocks.0.img_attn.qkv", ("lora_A.weight", "lora_B.weight")),
+                   {"software": json.dumps({"name": "ai-toolkit", "repo": "https://github.com/ostris/ai-toolkit",
+                                            "version": "0.1.0"}), "format": "pt", "name": "my_flux_lora"},
+                   "ai-toolkit", "diffusers/PEFT names (lora_A/lora_B)"),
+    # kohya-ss/musubi-tuner utils/sai_model_spec.py build_metadata (modelspec.implementation of Wan) + ss_ keys
+    "musubi-tuner": (_lora("lora_unet_blocks_0_self_attn_q"),
+                     {"ss_network_module": "networks.lora_wan", "ss_network_dim": "4",
+                      "modelspec.architecture": "wan2.1/lora",
+                      "modelspec.implementation": "https://github.com/Wan-Video/Wan2.1"},
+                     "musubi-tuner", "kohya names (lora_unet_… / lora_te…)"),
+    # kohya-ss/sd-scripts train_network.py: ss_* training metadata
+    "sd-scripts": (KOHYA_SD15, {"ss_network_module": "networks.lora", "ss_network_dim": "4"},
+                   "kohya sd-scripts", "kohya names (lora_unet_… / lora_te…)"),
+    "sd-scripts-lycoris": (KOHYA_SD15, {"ss_network_module": "lycoris.kohya", "ss_network_args": '{"algo": "lora"}'},
+                           "kohya sd-scripts", "LyCORIS through sd-scripts (kohya names)"),
+    # kohya-ss/sd-scripts networks/oft.py: oft_unet_<module>.oft_blocks / .alpha, ss_network_module = networks.oft
+    "sd-scripts-oft": ({"oft_unet_down_blocks_0_attentions_0_proj_in.oft_blocks": torch.zeros(4, 4, 4),
+                        "oft_unet_down_blocks_0_attentions_0_proj_in.alpha": torch.tensor(1e-3)},
+                       {"ss_network_module": "networks.oft"},
+                       "kohya sd-scripts", "kohya sd-scripts OFT names (oft_unet_…)"),
+    # bghira/SimpleTuner scripts' LyCORIS extract: format = simpletuner-lycoris-extract, lycoris_config
+    "simpletuner-extract": (_lora("lycoris_transformer_blocks_0_attn_to_q"),
+                            {"format": "simpletuner-lycoris-extract", "lycoris_config": "{}"},
+                            "SimpleTuner", "LyCORIS wrapper names (lycoris_…)"),
+    "no-metadata": (KOHYA_SD15, None, None, "kohya names (lora_unet_… / lora_te…)"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_trainer_from_metadata(tmp_path, case):
+    sd, metadata, trainer, style = CASES[case]
+    made = _made_by(_write(tmp_path, f"{case}.safetensors", sd, metadata))
+    assert (made["trainer"], made["format"]) == (trainer, style)
+    assert made["line"].startswith(f"made by: {trainer or 'unknown trainer'}; {style} (")
+
+
+def test_software_field_of_another_tool_is_not_ai_toolkit(tmp_path):
+    made = _made_by(_write(tmp_path, "x.safetensors", KOHYA_SD15, {"software": json.dumps({"name": "other"})}))
+    assert made["trainer"] is None
