@@ -6,8 +6,9 @@
     linear:     W' = W + m·(V·g − W)
     reference:  W' = V · (m·(g − 1) + 1)     (LyCORIS; at m = 0 it keeps W + ΔW)
 
-The norm is that of W + ΔW, not of W (ComfyUI's out-axis branch uses W). A 1-D dora_scale (PEFT's magnitude vector)
-is per output row.
+The norm is that of W + ΔW, not of W (ComfyUI's out-axis branch uses W). A 1-D dora_scale is per output row. PEFT's
+magnitude vector (`lora_magnitude_vector`) is per output row in every layout, including conv's (1, out, 1, 1), which on
+a square conv has the shape of LyCORIS' per-input dora_scale: the module says which it holds (`per_output`).
 
 Computed in place: V is formed where W was (the algorithm's add_into), then scaled; linear semantics, which need W
 and V at once, read W from the weight as given, so V's buffer is the one weight-sized temporary.
@@ -23,9 +24,12 @@ from .casting import add_scaled, pieces
 OUT, IN = "out", "in"
 
 
-def axis_for(scale_shape: tuple[int, ...], weight_shape: tuple[int, ...]) -> str:
-    """Which axis a dora_scale of this shape normalises for this weight; ShapeError when it fits neither."""
+def axis_for(scale_shape: tuple[int, ...], weight_shape: tuple[int, ...], per_output: bool = False) -> str:
+    """Which axis a dora_scale of this shape normalises for this weight; ShapeError when it fits neither.
+    `per_output`: the file's writer defines it per output row (PEFT), so only the out-axis can fit."""
     ndim = len(weight_shape)
+    if per_output:
+        return _peft_axis(scale_shape, weight_shape)
     if len(scale_shape) == 1 and scale_shape[0] == weight_shape[0]:
         return OUT
     if len(scale_shape) == ndim and scale_shape[0] == weight_shape[0] and all(d == 1 for d in scale_shape[1:]):
@@ -35,6 +39,17 @@ def axis_for(scale_shape: tuple[int, ...], weight_shape: tuple[int, ...]) -> str
         return IN
     raise ShapeError(f"dora_scale {list(scale_shape)} fits neither axis of a weight of shape {list(weight_shape)}",
                      "dora_scale")
+
+
+def _peft_axis(scale_shape: tuple[int, ...], weight_shape: tuple[int, ...]) -> str:
+    """PEFT's magnitude: (out,) or (1, out, 1…) (a conv norm taken with keepdim, then transposed)."""
+    out = weight_shape[0]
+    if scale_shape == (out,):
+        return OUT
+    if len(scale_shape) == len(weight_shape) and scale_shape[:2] == (1, out) and all(d == 1 for d in scale_shape[2:]):
+        return OUT
+    raise ShapeError(f"PEFT's DoRA magnitude {list(scale_shape)} is not one value per output channel of a weight of "
+                     f"shape {list(weight_shape)}", "dora_scale")
 
 
 def _norm(v: torch.Tensor, axis: str) -> torch.Tensor:

@@ -9,6 +9,9 @@ from .algos import BIAS_ALGORITHMS, WEIGHT_ALGORITHMS
 from .algos.kohya_oft import BLOCKS as KOHYA_OFT_BLOCKS
 
 ALPHA, DORA_SCALE = "alpha", "dora_scale"
+# PEFT's DoRA magnitude is kept under its own name until the module is built: it is per output channel in every layout
+# ((out,) for Linear, (1, out, 1, 1) for conv), where LyCORIS' dora_scale of shape (1, in, 1, 1) is per input channel.
+PEFT_MAGNITUDE = "lora_magnitude_vector"
 
 # Other writers' names for LoRA factors and DoRA magnitudes -> our canonical suffix.
 ALIASES: dict[str, str] = {
@@ -22,7 +25,6 @@ ALIASES: dict[str, str] = {
     "lora_A.default.weight": "lora_down.weight",
     "lora_B": "lora_up.weight",
     "lora_A": "lora_down.weight",
-    "lora_magnitude_vector": DORA_SCALE,
 }
 # diffusers' attention-processor LoRA joins the suffix with "_" instead of ".": `to_q_lora.up.weight`.
 UNDERSCORE_ALIASES: dict[str, str] = {
@@ -32,7 +34,7 @@ UNDERSCORE_ALIASES: dict[str, str] = {
 
 
 def _canonical_suffixes() -> set[str]:
-    names = {ALPHA, DORA_SCALE}
+    names = {ALPHA, DORA_SCALE, PEFT_MAGNITUDE}
     for algorithm in WEIGHT_ALGORITHMS + BIAS_ALGORITHMS:
         names.update(algorithm.keys)
         names.update(algorithm.markers)

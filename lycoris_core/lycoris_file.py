@@ -13,6 +13,7 @@ import torch
 from .errors import LycorisError
 from .keys import split_key
 from .module import Module, build_modules
+from .peft_config import PeftConfig, from_metadata, module_options, read_config
 from .safetensors_file import SafetensorsFile
 
 
@@ -28,6 +29,7 @@ class LycorisFile:
     modules: dict[str, Module]  # "<prefix>.<param>" -> module, in file order
     unused: list[UnusedKey] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # what was assumed where the file says nothing
 
     @property
     def algorithms(self) -> dict[str, int]:
@@ -81,16 +83,27 @@ def check_values(state_dict: Mapping[str, torch.Tensor], file: str | None = None
             checked(tensor)
 
 
+def assumed_scale_warning(name: str, modules: list[Module]) -> str:
+    return (f"{name}: {len(modules)} modules (e.g. '{modules[0].prefix}') have no alpha, and no PEFT config was found "
+            f"(no 'lora_adapter_metadata' in the file, no adapter_config.json beside it): assumed alpha = rank "
+            f"(scale 1), diffusers' convention for PEFT files without one")
+
+
 def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state dict>",
                      metadata: Mapping[str, str] | None = None,
-                     checked: Callable[[torch.Tensor], None] | None = None) -> LycorisFile:
+                     checked: Callable[[torch.Tensor], None] | None = None,
+                     config: PeftConfig | None = None) -> LycorisFile:
+    """`config`: the PEFT config of a PEFT/diffusers file (peft_config.read_config); by default the one in the
+    metadata, if any."""
     if not state_dict:
         raise LycorisError("the file holds no tensors", file=name)
     check_values(state_dict, name, checked)
+    if config is None:
+        config = from_metadata(metadata or {})
     groups, unused = group_keys(state_dict, name)
     modules: dict[str, Module] = {}
     for prefix, group in groups.items():
-        built, leftover = build_modules(prefix, group, name)
+        built, leftover = build_modules(prefix, group, name, module_options(config, prefix))
         if checked is not None:  # reading alpha faulted in the pages around it, mostly this module's own tensors
             for tensor in group.values():
                 checked(tensor)
@@ -101,12 +114,16 @@ def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state
     if not modules:
         raise LycorisError(f"no LyCORIS/LoRA module found among {len(state_dict)} keys "
                            f"(e.g. '{next(iter(state_dict))}'); is this an adapter file?", file=name)
-    return LycorisFile(name, modules, unused, dict(metadata or {}))
+    assumed = [m for m in modules.values() if m.scale_assumed]
+    warnings = [assumed_scale_warning(name, assumed)] if assumed else []
+    return LycorisFile(name, modules, unused, dict(metadata or {}), warnings)
 
 
 def load(path: str | os.PathLike) -> LycorisFile:
-    """Read and check a .safetensors file (memory-mapped; tensors stay views of the file until patched)."""
+    """Read and check a .safetensors file (memory-mapped; tensors stay views of the file until patched). A PEFT
+    file's config comes from its metadata, else from the adapter_config.json beside it."""
     reader = SafetensorsFile(path)
-    parsed = parse_state_dict(reader.tensors(), reader.name, reader.metadata, checked=reader.release)
+    config = read_config(path, reader.metadata)
+    parsed = parse_state_dict(reader.tensors(), reader.name, reader.metadata, checked=reader.release, config=config)
     reader.release_all()
     return parsed

@@ -1,13 +1,18 @@
 """One module of a file: its algorithm, tensors and layout; and the plan for patching one concrete weight."""
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from . import dora
 from .algos import BIAS_ALGORITHMS, BY_NAME, LAYOUT_ONLY_KEYS, WEIGHT_ALGORITHMS, Algorithm, Layout, ShapeError
 from .errors import LycorisError
-from .keys import ALPHA, DORA_SCALE
+from .keys import ALPHA, DORA_SCALE, PEFT_MAGNITUDE
+
+# Algorithms whose alpha is a scale alpha/r, as PEFT's LoRA, LoHa and LoKr configs define theirs.
+SCALED_BY_ALPHA = frozenset({"locon", "loha", "lokr"})
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,8 @@ class Module:
     layout: Layout
     tensors: dict[str, torch.Tensor]  # canonical suffix -> tensor as loaded (file dtype, CPU)
     alpha: float | None
+    dora_per_output: bool = False  # dora_scale is PEFT's magnitude: per output channel whatever its shape
+    scale_assumed: bool = False  # no alpha tensor and no PEFT config: alpha = rank was assumed
 
     @property
     def param(self) -> str:
@@ -50,7 +57,8 @@ class Module:
         """Check this module against the target weight's shape; LycorisError (naming file and key) if it does not fit."""
         try:
             layout = self.layout.resolve(tuple(weight_shape))
-            axis = dora.axis_for(tuple(self.tensors[DORA_SCALE].shape), tuple(weight_shape)) if self.has_dora else None
+            axis = (dora.axis_for(tuple(self.tensors[DORA_SCALE].shape), tuple(weight_shape), self.dora_per_output)
+                    if self.has_dora else None)
         except ShapeError as e:
             raise LycorisError(e.reason, file=file, key=f"{self.prefix}.{e.key}" if e.key else self.prefix) from e
         return Plan(self.algorithm.name, layout, tuple(self.tensors), axis, reference)
@@ -67,10 +75,35 @@ def read_alpha(tensor: torch.Tensor) -> float:
     return float(tensor.reshape(-1)[0])
 
 
-def build_modules(prefix: str, group: dict[str, torch.Tensor], file: str | None = None
-                  ) -> tuple[list[Module], list[str]]:
-    """Parse one key group into modules; returns them and the suffixes no module read."""
+def peft_scale(options: dict[str, Any]) -> float | None:
+    """PEFT's scale from a module's config options: alpha / r, or alpha / √r with rsLoRA; None without both."""
+    r, alpha = options.get("r"), options.get("lora_alpha", options.get("alpha"))
+    if not r or alpha is None:
+        return None
+    return alpha / math.sqrt(r) if options.get("use_rslora") else alpha / r
+
+
+def _with_peft_magnitude(group: dict[str, torch.Tensor], file: str | None, prefix: str) -> dict[str, torch.Tensor]:
+    """PEFT's lora_magnitude_vector read as the module's dora_scale (flagged per output by the caller)."""
+    if PEFT_MAGNITUDE not in group:
+        return group
+    if DORA_SCALE in group:
+        raise LycorisError(f"two keys of module '{prefix}' mean the same '{DORA_SCALE}'", file=file,
+                           key=f"{prefix}.{PEFT_MAGNITUDE}")
+    return {(DORA_SCALE if k == PEFT_MAGNITUDE else k): t for k, t in group.items()}
+
+
+def build_modules(prefix: str, group: dict[str, torch.Tensor], file: str | None = None,
+                  options: dict[str, Any] | None = None) -> tuple[list[Module], list[str]]:
+    """Parse one key group into modules; returns them and the suffixes no module read.
+
+    `options` are the module's PEFT config options (peft_config.module_options): without an alpha tensor, LoRA, LoHa
+    and LoKr take PEFT's scale from them. A dotted (diffusers/PEFT) module with neither is scaled 1 (alpha = rank,
+    diffusers' convention for PEFT files without alpha) and marked `scale_assumed`."""
+    per_output = PEFT_MAGNITUDE in group
+    group = _with_peft_magnitude(group, file, prefix)
     alpha = read_alpha(group[ALPHA]) if ALPHA in group else None
+    scale = peft_scale(options or {}) if alpha is None else None
     modules, used = [], {ALPHA} if ALPHA in group else set()
     for algorithm in detect(group):
         names = [k for k in algorithm.markers + algorithm.keys if k in group]
@@ -81,11 +114,19 @@ def build_modules(prefix: str, group: dict[str, torch.Tensor], file: str | None 
             layout = algorithm.layout(tensors, alpha if algorithm.uses_alpha else None)
         except ShapeError as e:
             raise LycorisError(e.reason, file=file, key=f"{prefix}.{e.key}" if e.key else prefix) from e
+        module_alpha, assumed = alpha, False
+        if alpha is None and algorithm.name in SCALED_BY_ALPHA:
+            if scale is not None:  # PEFT's scale whatever our own rule for this layout (LoKr's full factors: 1)
+                layout = replace(layout, scale=scale)
+                module_alpha = scale * layout.rank if layout.rank else None
+            else:
+                assumed = "." in prefix
         # keys only needed to read the layout (IA3's on_input, LoKr's row_offset) are not needed to compute the patch
         compute_tensors = {k: t for k, t in tensors.items()
                            if (k in algorithm.keys and k not in LAYOUT_ONLY_KEYS) or k == DORA_SCALE}
-        modules.append(Module(prefix, algorithm, layout, compute_tensors, alpha))
+        modules.append(Module(prefix, algorithm, layout, compute_tensors, module_alpha, per_output, assumed))
         used.update(tensors)
     if modules and modules[0].has_dora and modules[0].tensors[DORA_SCALE].ndim == 0:
         raise LycorisError("dora_scale must have at least one dimension", file=file, key=f"{prefix}.{DORA_SCALE}")
-    return modules, sorted(set(group) - used)
+    leftover = sorted(set(group) - used)
+    return modules, [PEFT_MAGNITUDE if k == DORA_SCALE and per_output else k for k in leftover]

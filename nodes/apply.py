@@ -66,6 +66,7 @@ class ApplyReport:
     bypassed: int = 0  # patches run in the layers' forward instead of merged (apply_mode bypass/auto)
     # ... of which added to the weight when ComfyUI casts it, on int8 layers it multiplies without their forward
     at_weight_cast: int = 0
+    warnings: list[str] = field(default_factory=list)  # what the loader assumed where the file says nothing
     targets: dict[str, Applied] = field(default_factory=dict, repr=False)
 
     def line(self) -> str:
@@ -86,7 +87,7 @@ class ApplyReport:
         return {"file": self.file, "line": self.line(), "applied": len(self.applied), "total": self.total,
                 "algorithms": dict(self.labels.most_common()), "params_applied": self.params_applied,
                 "params_total": self.params_total, "verdict": self.verdict, "bypassed": self.bypassed,
-                "at_weight_cast": self.at_weight_cast,
+                "at_weight_cast": self.at_weight_cast, "warnings": list(self.warnings),
                 "problems": [list(p) for p in self.problems], "unused_keys": [list(u) for u in self.unused_keys]}
 
 
@@ -157,6 +158,7 @@ def build_patches(lfile: LycorisFile, key_map: dict, shapes: dict[str, dict], re
                   ) -> tuple[dict[str, dict], ApplyReport]:
     report = ApplyReport(lfile.name, len(lfile.modules))
     report.unused_keys = [(u.key, u.reason) for u in lfile.unused]
+    report.warnings = list(lfile.warnings)
     patches: dict[str, dict] = {side: {} for side in shapes}
     for module_key, module in lfile.modules.items():
         report.params_total += _params(module)
@@ -285,6 +287,8 @@ def apply_file(lfile: LycorisFile, model, clip, strength_model: float, strength_
         log.warning("LyCORIS %s; not applied:\n%s", report.line(), report.details())
     else:
         log.info("LyCORIS %s", report.line())
+    for warning in report.warnings:
+        log.warning("LyCORIS %s", warning)
     weights = block_weights or BlockWeights()
     key = f"lycoris:{injection_key or uuid.uuid4().hex}"
     new_model = _patched(model, patches.get("model"), strength_model, reference, report, weights, apply_mode, key)

@@ -28,6 +28,7 @@ import comfy.lora_convert
 import psutil
 
 from ..lycoris_core import LycorisFile, SafetensorsFile, parse_state_dict
+from ..lycoris_core.peft_config import CONFIG_FILE, read_config
 
 log = logging.getLogger("lycoris_nodes")
 
@@ -117,7 +118,8 @@ def read(path: str | os.PathLike) -> LycorisFile:
     reader = SafetensorsFile(path)
     state_dict = comfy.lora_convert.convert_lora(reader.tensors())
     # Each tensor's pages are released once checked: a file in the cache costs page cache, not resident memory.
-    parsed = parse_state_dict(state_dict, reader.name, reader.metadata, checked=reader.release)
+    parsed = parse_state_dict(state_dict, reader.name, reader.metadata, checked=reader.release,
+                              config=read_config(path, reader.metadata))
     reader.release_all()
     return parsed
 
@@ -155,10 +157,16 @@ def stats() -> CacheStats:
         return CacheStats(len(_files), _total_locked(), budget_bytes(), **_counts)
 
 
+def _sibling_config_stamp(path: str) -> int | None:
+    """A PEFT adapter_config.json beside the file sets its scale: editing it must not serve the old parse."""
+    sibling = Path(path).with_name(CONFIG_FILE)
+    return sibling.stat().st_mtime_ns if sibling.is_file() else None
+
+
 def load_cached(path: str | os.PathLike) -> LycorisFile:
     resolved = str(Path(path).resolve())
     stat = Path(resolved).stat()
-    key = (resolved, stat.st_size, stat.st_mtime_ns)
+    key = (resolved, stat.st_size, stat.st_mtime_ns, _sibling_config_stamp(resolved))
     with _lock:
         entry = _files.get(key)
         if entry is not None:
