@@ -85,8 +85,9 @@ VARIANTS = {
 }
 
 
-def make_adapter(variant_id):
-    """(PeftModel, state dict, {layer: (W, W_merged − W)}) for one variant, seeded."""
+def make_adapter(variant_id, dtype=torch.float32):
+    """(PeftModel, state dict, {layer: (W, W_merged − W)}) for one variant, seeded. The adapter's tensors are
+    rounded to `dtype` (the state dict is in `dtype`); the model and PEFT's merge stay fp32."""
     config, layers = VARIANTS[variant_id]
     torch.manual_seed(sum(map(ord, variant_id)))
     base = Net()
@@ -94,7 +95,8 @@ def make_adapter(variant_id):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT warns that no CUDA kernel was found
         model = peft.get_peft_model(base, copy.deepcopy(config))
-        state = {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+        state = {k: v.detach().to(dtype, copy=True) for k, v in peft.get_peft_model_state_dict(model).items()}
+        peft.set_peft_model_state_dict(model, {k: v.float() for k, v in state.items()})
         merged = copy.deepcopy(model).merge_and_unload()
     truth = {name: (weights[name], getattr(merged, name).weight.detach() - weights[name]) for name in layers}
     return model, state, truth
@@ -259,6 +261,16 @@ def test_conv_bypass_reference_is_the_real_conv():
     weight = torch.randn(6, 8, 3, 3)
     x = torch.randn(2, 8, 5, 5)
     assert torch.allclose(LAYERS["conv"](x, weight), F.conv2d(x, weight, padding=1))
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+@pytest.mark.parametrize("variant_id", ["oft-neumann-default", "boft-2-factors", "ia3-normal"])
+def test_half_precision_files(tmp_path, variant_id, dtype):
+    """A file stored in fp16/bf16 is computed in fp32 from its values as stored, as PEFT merges them upcast."""
+    _, state, truth = make_adapter(variant_id, dtype)
+    path = tmp_path / "half.safetensors"
+    save_file(state, str(path))
+    _check_merge(load(path), {k: v for k, v in truth.items() if k != "square"}, 0.5)
 
 
 @pytest.mark.xfail(strict=True, reason="PEFT's (IA)3 merge also scales a normal layer's bias (b' = l·b); only the "
