@@ -24,9 +24,10 @@ if str(REPO_ROOT) not in sys.path:
 
 import lycoris_core
 from lycoris_core import peft_config
+from lycoris_core.bypass import Contribution, LayerOp, forward
 
 peft = pytest.importorskip("peft")
-from diffusers.loaders import StableDiffusionLoraLoaderMixin  # noqa: E402
+from diffusers.loaders import StableDiffusionLoraLoaderMixin, StableDiffusionXLLoraLoaderMixin  # noqa: E402
 from peft import LoHaConfig, LoKrConfig, LoraConfig  # noqa: E402
 from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: E402
 from peft.utils import get_peft_model_state_dict  # noqa: E402
@@ -236,6 +237,30 @@ def test_dora_square_convs_are_not_read_per_input_channel(tmp_path):
     assert_same_changes(got, truth)
 
 
+OPS = {"lin": LayerOp(), "c1": LayerOp(2, (1, 1), (0, 0), (1, 1)), "c3": LayerOp(2, (1, 1), (0, 0), (1, 1)),
+       "c3n": LayerOp(2, (1, 1), (0, 0), (1, 1))}
+INPUTS = {"lin": (3, 12), "c1": (2, 8, 6, 6), "c3": (2, 8, 6, 6), "c3n": (2, 6, 6, 6)}
+
+
+@pytest.mark.parametrize("strength", [1.0, 0.5])
+def test_dora_in_bypass_equals_peft_s_merged_layer(tmp_path, strength):
+    """The forward-time bypass reads the same axis as the merge: y = f(x; W) + m·f(x; W_merged − W)."""
+    config = lora(r=3, lora_alpha=5, use_dora=True)
+    model, base = adapted(config, seed=8)
+    path = save_diffusers(tmp_path, model, config)
+    truth = merged_changes(model, base)
+    lfile = lycoris_core.load(path)
+    torch.manual_seed(9)
+    for name, change in truth.items():
+        module, op, weight = lfile.modules[f"unet.{name}.weight"], OPS[name], base[name]
+        x = torch.randn(INPUTS[name])
+        y = forward(x, op(x, weight), op, [Contribution(module.plan_for(tuple(weight.shape)), module.tensors,
+                                                        strength)], lambda w=weight: w, tuple(weight.shape))
+        want = op(x, strength * change)
+        error = float((y - op(x, weight) - want).abs().max() / want.abs().max())
+        assert error <= TOLERANCE, f"{name}: error {error:.3g} of the change"
+
+
 def test_dora_from_adapter_config_json(tmp_path):
     path, base, truth = save_pretrained(tmp_path, lora(r=3, lora_alpha=5, use_dora=True), seed=2)
     got, _ = applied_changes(path, base)
@@ -279,6 +304,28 @@ def test_peft_loha_lokr_from_adapter_config_json(tmp_path, case):
     path, base, truth = save_pretrained(tmp_path, LYCORIS_CASES[case], seed=5)
     got, _ = applied_changes(path, base)
     assert_same_changes(got, truth)
+
+
+def test_each_component_has_its_own_config(tmp_path):
+    """SDXL's saver: one config per component (unet., text_encoder., text_encoder_2.), each read for its own keys."""
+    configs = {"unet": lora(r=4, lora_alpha=2), "text_encoder": lora(r=4, lora_alpha=8),
+               "text_encoder_2": lora(r=4, lora_alpha=32)}
+    models, bases = {}, {}
+    for seed, (component, config) in enumerate(configs.items()):
+        models[component], bases[component] = adapted(config, seed=10 + seed)
+    StableDiffusionXLLoraLoaderMixin.save_lora_weights(
+        tmp_path, **{f"{c}_lora_layers": get_peft_model_state_dict(m) for c, m in models.items()},
+        **{f"{c}_lora_adapter_metadata": config_dict(configs[c]) for c in configs})
+    lfile = lycoris_core.load(tmp_path / "pytorch_lora_weights.safetensors")
+    assert lfile.warnings == []
+    for component, model in models.items():
+        truth = merged_changes(model, bases[component])
+        for name, change in truth.items():
+            module = lfile.modules[f"{component}.{name}.weight"]
+            weight = bases[component][name].clone()
+            lycoris_core.apply(module.plan_for(tuple(weight.shape)), module.tensors, weight, 1.0)
+            got = weight - bases[component][name]
+            assert float((got - change).abs().max() / change.abs().max()) <= TOLERANCE, f"{component}.{name}"
 
 
 def test_metadata_is_read_as_diffusers_writes_it(tmp_path):
