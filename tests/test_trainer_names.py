@@ -1,0 +1,168 @@
+"""The module names other trainers write, for SD1.5, SDXL, Flux and Wan, through our loader's key map.
+
+Each fixture is a small state dict with the exact names one trainer's saver writes for a few representative modules
+(its source is cited at each entry), shaped from the ComfyUI model it is meant for: the tiny SD1.5 checkpoint (with
+its CLIP), and SDXL, Flux and Wan models ComfyUI builds on the meta device. Each must land on the right weight
+(and, for Flux's fused qkv, the right rows), or the test records why it does not.
+
+Not covered: OneTrainer's OMI format (`enable_omi_format`), ai-toolkit's SD1.5/SDXL/Flux.1 savers (not read), SDXL
+text encoders (no CLIP-G here); OneTrainer writes no Wan LoRA.
+"""
+
+import dataclasses
+import importlib.util
+
+import comfy.supported_models as supported
+import pytest
+import test_nodes
+import torch
+from comfy.ldm.flux.model import FluxParams
+from lycoris_nodes.lycoris_core import parse_state_dict
+from lycoris_nodes.nodes.apply import build_patches, lora_key_map, map_file, model_shapes
+
+sd15 = test_nodes.sd15  # fixture
+
+# nodes/keymap.py (diffusers/PEFT names from ComfyUI's converters) is being added by another change of issue #10
+HAS_KEYMAP = importlib.util.find_spec("lycoris_nodes.nodes.keymap") is not None
+NO_DIFFUSERS_UNET = ("diffusers' UNet names (unet.…to_q.lora_A) are not in ComfyUI's SD1.5/SDXL key map, which knows "
+                     "only the processor.to_q form; nodes/keymap.py adds them")
+NO_WAN_CONVERTER = ("diffusers' Wan names (blocks.N.attn1.to_q, ffn.net.0.proj) have no converter in ComfyUI "
+                    "(comfy.utils has none for Wan and model_lora_keys_unet no Wan branch), and the issue rules out "
+                    "hand-written name tables")
+
+# ComfyUI's own SDXL UNet config (comfy/model_detection.py, unet_config_from_diffusers_unet's SDXL entry)
+SDXL_CONFIG = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
+               "legacy": False, "num_classes": "sequential", "adm_in_channels": 2816, "in_channels": 4,
+               "model_channels": 320, "num_res_blocks": [2, 2, 2], "transformer_depth": [0, 0, 2, 2, 10, 10],
+               "channel_mult": [1, 2, 4], "transformer_depth_middle": 10, "use_linear_in_transformer": True,
+               "context_dim": 2048, "num_head_channels": 64, "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10],
+               "use_temporal_attention": False, "use_temporal_resblock": False}
+FLUX_CONFIG = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32, "context_in_dim": 32,
+               "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 4, "depth": 2, "depth_single_blocks": 2,
+               "axes_dim": [4, 6, 6], "theta": 10000, "patch_size": 2, "qkv_bias": True, "guidance_embed": True}
+WAN_CONFIG = {"image_model": "wan2.1", "model_type": "t2v", "dim": 64, "ffn_dim": 128, "freq_dim": 32, "text_dim": 32,
+              "num_heads": 4, "num_layers": 2, "in_dim": 16, "out_dim": 16, "patch_size": (1, 2, 2),
+              "window_size": (-1, -1), "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6}
+if "txt_ids_dims" in {f.name for f in dataclasses.fields(FluxParams)}:
+    FLUX_CONFIG["txt_ids_dims"] = []  # 0.33's Flux also takes the text position-id layout; 0.3.75's has no such field
+HIDDEN = FLUX_CONFIG["hidden_size"]
+
+LORA = ("lora_down.weight", "lora_up.weight")  # kohya / LyCORIS / OneTrainer legacy
+PEFT = ("lora_A.weight", "lora_B.weight")  # diffusers / PEFT / ai-toolkit
+
+SD15_TO_Q = "diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight"
+SD15_TE_Q = "clip_l.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight"
+SDXL_TO_Q = "diffusion_model.input_blocks.4.1.transformer_blocks.0.attn1.to_q.weight"
+FLUX_QKV = "diffusion_model.double_blocks.0.img_attn.qkv.weight"
+FLUX_LINEAR1 = "diffusion_model.single_blocks.0.linear1.weight"
+WAN_Q = "diffusion_model.blocks.0.self_attn.q.weight"
+WAN_FFN0 = "diffusion_model.blocks.0.ffn.0.weight"
+FLUX_Q_ROWS = (0, 0, HIDDEN)  # to_q is the first third of the fused qkv (and the first part of linear1)
+
+# (trainer, architecture, module name as written, suffixes, target weight, rows or None, source of the name style)
+ONETRAINER = "Nerogar/OneTrainer modules/modelSaver/mixin/LoRASaverMixin.py (convert_to_legacy_diffusers)"
+SIMPLETUNER_PEFT = "bghira/SimpleTuner helpers/training/save_hooks.py _save_lora (diffusers save_lora_weights)"
+SIMPLETUNER_LYCORIS = "bghira/SimpleTuner helpers/training/save_hooks.py _save_lycoris (LyCORIS wrapper, lycoris_)"
+AI_TOOLKIT_WAN = "ostris/ai-toolkit Wan 2.1 model: convert_lora_weights_before_save = convert_to_original"
+MUSUBI = "kohya-ss/musubi-tuner networks/lora_wan.py, lora.py (prefix lora_unet, the model's own module names)"
+SD_SCRIPTS = "kohya-ss/sd-scripts networks/lora.py (lora_unet_, SDXL U-Net in its original names)"
+
+NAMES = [
+    ("OneTrainer", "sd15", "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q", LORA, SD15_TO_Q,
+     None, ONETRAINER),
+    ("OneTrainer", "sd15", "lora_te_text_model_encoder_layers_0_self_attn_q_proj", LORA, SD15_TE_Q, None, ONETRAINER),
+    ("SimpleTuner", "sd15", "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q", PEFT, SD15_TO_Q, None,
+     SIMPLETUNER_PEFT),
+    ("SimpleTuner", "sd15", "text_encoder.text_model.encoder.layers.0.self_attn.q_proj", PEFT, SD15_TE_Q, None,
+     SIMPLETUNER_PEFT),
+    ("SimpleTuner", "sd15", "lycoris_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q", LORA, SD15_TO_Q,
+     None, SIMPLETUNER_LYCORIS),
+    ("OneTrainer", "sdxl", "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q", LORA, SDXL_TO_Q,
+     None, ONETRAINER),
+    ("kohya sd-scripts", "sdxl", "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q", LORA, SDXL_TO_Q, None,
+     SD_SCRIPTS),
+    ("SimpleTuner", "sdxl", "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q", PEFT, SDXL_TO_Q, None,
+     SIMPLETUNER_PEFT),
+    ("SimpleTuner", "sdxl", "lycoris_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q", LORA, SDXL_TO_Q,
+     None, SIMPLETUNER_LYCORIS),
+    ("OneTrainer", "flux", "lora_transformer_transformer_blocks_0_attn_to_q", LORA, FLUX_QKV, FLUX_Q_ROWS, ONETRAINER),
+    ("OneTrainer", "flux", "lora_transformer_single_transformer_blocks_0_attn_to_q", LORA, FLUX_LINEAR1, FLUX_Q_ROWS,
+     ONETRAINER),
+    ("SimpleTuner", "flux", "transformer.transformer_blocks.0.attn.to_q", PEFT, FLUX_QKV, FLUX_Q_ROWS,
+     SIMPLETUNER_PEFT),
+    ("SimpleTuner", "flux", "lycoris_transformer_blocks_0_attn_to_q", LORA, FLUX_QKV, FLUX_Q_ROWS, SIMPLETUNER_LYCORIS),
+    ("musubi-tuner", "flux", "lora_unet_double_blocks_0_img_attn_qkv", LORA, FLUX_QKV, None, MUSUBI),
+    ("ai-toolkit", "wan", "diffusion_model.blocks.0.self_attn.q", PEFT, WAN_Q, None, AI_TOOLKIT_WAN),
+    ("ai-toolkit", "wan", "diffusion_model.blocks.0.ffn.0", PEFT, WAN_FFN0, None, AI_TOOLKIT_WAN),
+    ("musubi-tuner", "wan", "lora_unet_blocks_0_self_attn_q", LORA, WAN_Q, None, MUSUBI),
+    ("musubi-tuner", "wan", "lora_unet_blocks_0_ffn_0", LORA, WAN_FFN0, None, MUSUBI),
+    ("SimpleTuner", "wan", "transformer.blocks.0.attn1.to_q", PEFT, WAN_Q, None, SIMPLETUNER_PEFT),
+    ("SimpleTuner", "wan", "lycoris_blocks_0_attn1_to_q", LORA, WAN_Q, None, SIMPLETUNER_LYCORIS),
+]
+EXPECTED_MISSES = {  # (architecture, module name) -> why it does not map
+    ("sd15", "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"): None if HAS_KEYMAP else NO_DIFFUSERS_UNET,
+    ("sdxl", "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"): None if HAS_KEYMAP else NO_DIFFUSERS_UNET,
+    ("wan", "transformer.blocks.0.attn1.to_q"): NO_WAN_CONVERTER,
+    ("wan", "lycoris_blocks_0_attn1_to_q"): NO_WAN_CONVERTER,
+}
+
+
+def _params() -> list:
+    params = []
+    for entry in NAMES:
+        trainer, arch, name = entry[:3]
+        reason = EXPECTED_MISSES.get((arch, name))
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        params.append(pytest.param(*entry, id=f"{trainer}-{arch}-{name}", marks=marks))
+    return params
+
+
+@pytest.fixture(scope="module")
+def meta_models():
+    """ComfyUI's own model classes, on the meta device: the key map and shapes a real checkpoint would give."""
+    configs = {"sdxl": (supported.SDXL, SDXL_CONFIG), "flux": (supported.Flux, FLUX_CONFIG),
+               "wan": (supported.WAN21_T2V, WAN_CONFIG)}
+    return {arch: cls(dict(config)).get_model({}, "", device="meta") for arch, (cls, config) in configs.items()}
+
+
+def _module(name: str, suffixes: tuple[str, str], out: int, inner: tuple[int, ...], rank: int = 2):
+    down, up = suffixes
+    sd = {f"{name}.{down}": torch.randn(rank, *inner) * 0.1, f"{name}.{up}": torch.randn(out, rank) * 0.1}
+    if suffixes == LORA:
+        sd[f"{name}.alpha"] = torch.tensor(float(rank))
+    return sd
+
+
+def _report(arch, name, suffixes, target, rows, sd15, meta_models):
+    """Our coverage report for a one-module file with this name, shaped for `target` (rows of it)."""
+    if arch == "sd15":
+        model, clip = sd15
+        shapes = {**model_shapes(model.model), **model_shapes(clip.cond_stage_model)}
+    else:
+        shapes = model_shapes(meta_models[arch])
+    shape = shapes[target]
+    out = rows[2] if rows else shape[0]
+    lfile = parse_state_dict(_module(name, suffixes, out, tuple(shape[1:])), f"{arch}.safetensors")
+    if arch == "sd15":
+        return map_file(lfile, sd15[0], sd15[1], reference=False)[1]
+    model = meta_models[arch]
+    return build_patches(lfile, lora_key_map(model, is_clip=False), {"model": model_shapes(model)}, False)[1]
+
+
+@pytest.mark.parametrize("trainer,arch,name,suffixes,target,rows,source", _params())
+def test_trainer_names_reach_their_weight(trainer, arch, name, suffixes, target, rows, source, sd15, meta_models):
+    report = _report(arch, name, suffixes, target, rows, sd15, meta_models)
+    assert report.problems == [], f"{trainer} ({source}): {report.problems}"
+    module_key = next(iter(report.applied))
+    assert report.applied == {module_key: target}
+    assert report.targets[module_key].target.offset == rows
+
+
+@pytest.mark.parametrize("arch,name", [key for key, reason in EXPECTED_MISSES.items() if reason])
+def test_names_that_do_not_map_are_reported_with_the_reason(arch, name, sd15, meta_models):
+    """The coverage report names each module that goes nowhere, with why (never a silent skip)."""
+    entry = next(e for e in NAMES if e[1] == arch and e[2] == name)
+    report = _report(arch, name, entry[3], entry[4], entry[5], sd15, meta_models)
+    assert report.applied == {}
+    assert [(key.rsplit(".", 1)[0], reason.split(";")[0]) for key, reason in report.problems] == \
+        [(name, "no weight of this model has this name")]
