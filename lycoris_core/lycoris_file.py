@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import LycorisError
-from .keys import split_key
+from .keys import PEFT_MAGNITUDE, split_key
 from .module import Module, build_modules
 from .peft_config import PeftConfig, from_metadata, module_options, read_config
 from .safetensors_file import SafetensorsFile
@@ -53,7 +53,18 @@ def group_keys(state_dict: Mapping[str, torch.Tensor], file: str | None = None
         if suffix in group:
             raise LycorisError(f"two keys of module '{prefix}' mean the same '{suffix}'", file=file, key=key)
         group[suffix] = tensor
+    _rejoin_kohya_magnitudes(groups)
     return groups, unknown
+
+
+def _rejoin_kohya_magnitudes(groups: dict[str, dict[str, torch.Tensor]]) -> None:
+    """diffusers' convert_state_dict_to_kohya turns all but a key's last two dots into underscores, so a DoRA
+    magnitude (one dot fewer than `.lora_down.weight`) keeps its module's last dot: `lora_unet_x.to_q.
+    lora_magnitude_vector` beside `lora_unet_x_to_q.lora_down.weight`. Such a lone magnitude joins its module."""
+    for prefix in [p for p, group in groups.items() if set(group) == {PEFT_MAGNITUDE} and "." in p]:
+        owner = groups.get(prefix.replace(".", "_"))
+        if owner is not None and PEFT_MAGNITUDE not in owner:
+            owner[PEFT_MAGNITUDE] = groups.pop(prefix)[PEFT_MAGNITUDE]
 
 
 _MINMAX_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -261,6 +261,27 @@ def test_dora_in_bypass_equals_peft_s_merged_layer(tmp_path, strength):
         assert error <= TOLERANCE, f"{name}: error {error:.3g} of the change"
 
 
+def test_dora_converted_to_kohya_names_keeps_its_magnitude(tmp_path):
+    """diffusers' convert_state_dict_to_kohya leaves the magnitude's last dot (`lora_unet.c3.lora_magnitude_vector`
+    beside `lora_unet_c3.lora_down.weight`) and writes alpha = rank: the magnitude must still reach its module."""
+    from diffusers.utils import convert_state_dict_to_kohya
+    config = lora(r=3, lora_alpha=3, use_dora=True)  # the converter writes alpha = rank whatever lora_alpha was
+    model, base = adapted(config, seed=12)
+    state = {f"unet.{k}": v for k, v in get_peft_model_state_dict(model).items()}
+    path = tmp_path / "kohya.safetensors"
+    save_file(convert_state_dict_to_kohya(state), path)
+    assert "lora_unet.c3.lora_magnitude_vector" in lycoris_core.SafetensorsFile(path).entries
+    truth = merged_changes(model, base)
+    lfile = lycoris_core.load(path)
+    assert lfile.unused == [] and {m.label for m in lfile.modules.values()} == {"LoCon+DoRA"}
+    for name, change in truth.items():
+        module = lfile.modules[f"lora_unet_{name}.weight"]
+        weight = base[name].clone()
+        lycoris_core.apply(module.plan_for(tuple(weight.shape)), module.tensors, weight, 1.0)
+        error = float((weight - base[name] - change).abs().max() / change.abs().max())
+        assert error <= TOLERANCE, f"{name}: error {error:.3g} of the change"
+
+
 def test_dora_from_adapter_config_json(tmp_path):
     path, base, truth = save_pretrained(tmp_path, lora(r=3, lora_alpha=5, use_dora=True), seed=2)
     got, _ = applied_changes(path, base)
