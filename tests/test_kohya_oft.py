@@ -13,6 +13,7 @@ sd-scripts does, and "linear" W + m·(W'(1) − W) is the same thing, as kohya's
 """
 
 import comfy.model_management
+import comfy.supported_models as supported
 import pytest
 import test_nodes
 import torch
@@ -21,10 +22,11 @@ from lycoris_nodes.lycoris_core import LycorisError, parse_state_dict
 from lycoris_nodes.lycoris_core.bypass import Contribution, LayerOp, forward
 from lycoris_nodes.lycoris_core.patch import apply
 from lycoris_nodes.nodes import cache, loaders
-from lycoris_nodes.nodes.apply import map_file
+from lycoris_nodes.nodes.apply import build_patches, lora_key_map, map_file, model_shapes
 from lycoris_nodes.nodes.loaders import LycorisLoaderModelOnly
 from node_runner import execute
 from test_nodes import weights_after_full_load, write
+from test_trainer_names import SDXL_CONFIG, SDXL_TO_Q
 
 import nodes as comfy_nodes  # ComfyUI's nodes.py
 
@@ -46,14 +48,15 @@ BINDING, LOOSE = 1e-3, 0.1  # alpha: C = alpha·320 = 0.32 < ‖Q‖ ≈ 2.3 (th
 RTOL = 2e-6  # fp32 maths on fp32 weights; every file changes its weights by > 1e-2 of their norm
 
 
-def kohya_file(alpha: float, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A state dict as sd-scripts' OFTNetwork.save_weights writes it (fp32, no save_precision)."""
+def kohya_file(alpha: float, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A state dict as sd-scripts' OFTNetwork.save_weights writes it: every entry, alpha included, in the save
+    precision `dtype`."""
     gen = torch.Generator().manual_seed(seed)
     sd = {}
     for prefix in TARGETS:
         b = 320 // NUM_BLOCKS
-        sd[f"{prefix}.oft_blocks"] = torch.randn(NUM_BLOCKS, b, b, generator=gen) * 0.01
-        sd[f"{prefix}.alpha"] = torch.tensor(alpha)
+        sd[f"{prefix}.oft_blocks"] = (torch.randn(NUM_BLOCKS, b, b, generator=gen) * 0.01).to(dtype)
+        sd[f"{prefix}.alpha"] = torch.tensor(alpha).to(dtype)
     return sd
 
 
@@ -132,6 +135,32 @@ def test_linear_strength_mode_is_sd_scripts_multiplier_too(sd15, loras):
     got = weights_after_full_load(patched, list(TARGETS.values()))
     for prefix, key in TARGETS.items():
         assert rel(got[key], truth_weight(sd, prefix, base[key], 0.5)) < RTOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_merge_of_a_half_precision_file_uses_the_stored_values(sd15, loras, dtype):
+    """save_precision fp16/bf16 rounds alpha too (sd-scripts casts the whole state dict): the constraint is the
+    stored alpha · out, as sd-scripts reads it back (param.item())."""
+    model = sd15[0]
+    sd = kohya_file(BINDING, dtype=dtype)
+    name = write(loras, "kohya_oft.safetensors", sd)
+    patched = execute(LycorisLoaderModelOnly, model=model, lycoris_name=name, strength_model=1.0,
+                      strength_mode="lycoris", apply_mode="merge").result[0]
+    base = model.model.state_dict()
+    got = weights_after_full_load(patched, list(TARGETS.values()))
+    for prefix, key in TARGETS.items():
+        assert rel(got[key], truth_weight(sd, prefix, base[key], 1.0)) < RTOL
+
+
+def test_sdxl_names_map():
+    """sd-scripts trains SDXL in its original U-Net names: oft_unet_input_blocks_4_1_…, on ComfyUI's SDXL."""
+    model = supported.SDXL(dict(SDXL_CONFIG)).get_model({}, "", device="meta")
+    prefix = "oft_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q"
+    sd = {f"{prefix}.oft_blocks": torch.zeros(NUM_BLOCKS, 160, 160), f"{prefix}.alpha": torch.tensor(BINDING)}
+    report = build_patches(parse_state_dict(sd, "sdxl_oft.safetensors"), lora_key_map(model, is_clip=False),
+                           {"model": model_shapes(model)}, False)[1]
+    assert report.problems == []
+    assert report.applied == {prefix.replace("oft_", "lora_", 1) + ".weight": SDXL_TO_Q}
 
 
 # --- bypass: the layer's forward, against sd-scripts' forward ----------------------------------------------------
