@@ -10,6 +10,7 @@ The truth is PEFT's own `merge()` of each layer (W_merged − W); the file is ap
 import copy
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -417,3 +418,20 @@ def test_loader_node_applies_peft_dora_at_its_scale_and_warns_without_config(wit
         (warning,) = p["warnings"]
         assert name in warning and "assumed alpha = rank" in warning
         assert len(warned) == 1 and name in warned[0]
+
+
+def test_cache_reads_the_sibling_config_and_rereads_it_when_edited(tmp_path):
+    """The node's file cache: a save_pretrained file at its adapter_config.json's scale, re-read once that is edited."""
+    from lycoris_nodes.nodes import cache
+    cache.clear()
+    path, base, truth = save_pretrained(tmp_path, lora(r=4, lora_alpha=11), seed=13)
+    key = "base_model.model.lin.weight"
+    assert cache.load_cached(path).modules[key].layout.scale == pytest.approx(11 / 4)
+    config_path = tmp_path / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["lora_alpha"] = 2
+    config_path.write_text(json.dumps(config))
+    stat = config_path.stat()
+    os.utime(config_path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a coarse clock may not tick
+    assert cache.load_cached(path).modules[key].layout.scale == pytest.approx(2 / 4)
+    cache.clear()
