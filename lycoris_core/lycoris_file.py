@@ -95,9 +95,9 @@ def check_values(state_dict: Mapping[str, torch.Tensor], file: str | None = None
 
 
 def assumed_scale_warning(name: str, modules: list[Module]) -> str:
-    return (f"{name}: {len(modules)} modules (e.g. '{modules[0].prefix}') have no alpha, and no PEFT config was found "
-            f"(no 'lora_adapter_metadata' in the file, no adapter_config.json beside it): assumed alpha = rank "
-            f"(scale 1), diffusers' convention for PEFT files without one")
+    return (f"{name}: {len(modules)} modules (e.g. '{modules[0].prefix}') have no alpha tensor and no PEFT config "
+            f"gives theirs (neither the file's 'lora_adapter_metadata' nor an adapter_config.json beside it): assumed "
+            f"alpha = rank (scale 1), diffusers' convention for PEFT files without one")
 
 
 def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state dict>",
