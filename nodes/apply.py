@@ -17,6 +17,7 @@ import torch
 from ..lycoris_core import LycorisError, LycorisFile, Module, Plan
 from ..lycoris_core.block_weights import BlockWeights
 from ..lycoris_core.summary import declared_family, family_id, infer_family
+from . import keymap
 from .adapter import LycorisAdapter
 from .bypass import bypassed_layers, contribution, injection, layer_name, skips_forward, wants_bypass
 
@@ -219,10 +220,11 @@ def model_shapes(module) -> dict[str, tuple[int, ...]]:
 
 
 def lora_key_map(module, is_clip: bool) -> dict:
-    """ComfyUI's own map from file prefixes to this model's weight keys (model_lora_keys_unet / _clip)."""
+    """ComfyUI's own map from file prefixes to this model's weight keys (model_lora_keys_unet / _clip), plus the
+    diffusers/PEFT names it lacks (derived from ComfyUI's own converters, see keymap.py)."""
     if module not in _key_maps:
         build = comfy.lora.model_lora_keys_clip if is_clip else comfy.lora.model_lora_keys_unet
-        _key_maps[module] = build(module, {})
+        _key_maps[module] = keymap.extend(module, build(module, {}), is_clip)
     return _key_maps[module]
 
 

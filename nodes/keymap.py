@@ -1,0 +1,101 @@
+"""The diffusers and PEFT names ComfyUI's own LoRA key maps lack, derived from ComfyUI's own name converters.
+
+ComfyUI maps a UNet's diffusers names only in the old attention-processor form (`unet.….attn1.processor.to_q`),
+and a DiT's under the one prefix its diffusers loader writes (`transformer.…`). PEFT and diffusers write the plain
+module paths under more prefixes: bare (`get_peft_model_state_dict`), `unet.` / `transformer.` / `text_encoder.`
+(`save_lora_weights`), `base_model.model.` (PEFT's `save_pretrained`). Every name here comes from a converter
+ComfyUI already uses for this model (`comfy.utils.unet_to_diffusers`, and the `*_to_diffusers` maps behind its
+`transformer.` entries) or from the text-encoder entries of `model_lora_keys_clip`, never from a table of our own.
+
+A name two of our sources give different weights is left out, and ComfyUI's own entry always wins: a name that
+does not map is reported, a name mapped to the wrong weight would be applied silently.
+"""
+
+import comfy.utils
+
+UNET_PREFIXES = ("", "unet.", "base_model.model.", "unet.base_model.model.")
+DIT_PREFIXES = ("", "transformer.", "base_model.model.")
+# The prefixes under which ComfyUI itself lists a DiT's diffusers names; their paths are the modules we re-prefix.
+DIT_SOURCES = ("transformer.", "base_model.model.", "unet.base_model.model.")
+TEXT_ENCODER_PIPE_PREFIXES = ("text_encoder.", "text_encoder_2.", "text_encoder_3.")
+PEFT_WRAPPER = "base_model.model."
+# transformers 5 drops CLIPTextModel's `text_model.` wrapper (its conversion mapping's PrefixChange), so a text
+# encoder trained there is named `text_encoder.encoder.layers.…` where transformers 4 wrote `…text_model.encoder.…`.
+CLIP_TEXT_WRAPPER = "text_model."
+WEIGHT = ".weight"
+
+
+def _merged(candidates: list[tuple[str, object]]) -> dict:
+    """name -> target, without the names our sources disagree on."""
+    merged, conflicting = {}, set()
+    for name, target in candidates:
+        if merged.setdefault(name, target) != target:
+            conflicting.add(name)
+    for name in conflicting:
+        del merged[name]
+    return merged
+
+
+def unet_module_paths(model) -> dict[str, str]:
+    """diffusers module path -> ComfyUI weight key, from ComfyUI's unet_to_diffusers ({} for a non-UNet)."""
+    config = getattr(getattr(model, "model_config", None), "unet_config", None)
+    if config is None:
+        return {}
+    return {name[: -len(WEIGHT)]: f"diffusion_model.{key}"
+            for name, key in comfy.utils.unet_to_diffusers(config).items() if name.endswith(WEIGHT)}
+
+
+def dit_module_paths(comfy_map: dict) -> list[tuple[str, object]]:
+    """diffusers module paths of a DiT as ComfyUI's own map lists them under a diffusers prefix."""
+    paths = []
+    for name, target in comfy_map.items():
+        for source in DIT_SOURCES:
+            if isinstance(name, str) and name.startswith(source):
+                paths.append((name[len(source):], target))
+                break
+    return paths
+
+
+def diffusion_model_names(model, comfy_map: dict) -> dict:
+    """Every prefixed diffusers/PEFT name of this diffusion model that ComfyUI's map lacks."""
+    unet = unet_module_paths(model)
+    candidates = [(prefix + path, key) for path, key in unet.items() for prefix in UNET_PREFIXES]
+    if not unet:
+        candidates += [(prefix + path, target) for path, target in dit_module_paths(comfy_map)
+                       for prefix in DIT_PREFIXES]
+    return _merged(candidates)
+
+
+def _encoder_roots(comfy_map: dict, weight_keys) -> dict[str, str]:
+    """`text_encoder.` -> `clip_l.transformer.` etc.: where ComfyUI's own diffusers entries for each pipeline
+    text encoder point. A pipeline prefix whose entries point into two roots is left out."""
+    roots: dict[str, set[str]] = {}
+    for name, target in comfy_map.items():
+        if not isinstance(name, str) or not isinstance(target, str):
+            continue
+        for pipe in TEXT_ENCODER_PIPE_PREFIXES:
+            path = name[len(pipe):] if name.startswith(pipe) else None
+            if path and target.endswith(path + WEIGHT) and target in weight_keys:
+                roots.setdefault(pipe, set()).add(target[: -len(path + WEIGHT)])
+    return {pipe: found.pop() for pipe, found in roots.items() if len(found) == 1}
+
+
+def text_encoder_names(clip_model, comfy_map: dict) -> dict:
+    """Every weight of each text encoder ComfyUI's map names a diffusers pipeline prefix for, under that prefix
+    and, as PEFT's `save_pretrained` writes it, under `base_model.model.` (dropped where two encoders share it);
+    each with and without CLIPTextModel's `text_model.` wrapper."""
+    weight_keys = [k for k in clip_model.state_dict() if k.endswith(WEIGHT)]
+    candidates = []
+    for pipe, root in _encoder_roots(comfy_map, set(weight_keys)).items():
+        for key in weight_keys:
+            if key.startswith(root):
+                path = key[len(root): -len(WEIGHT)]
+                for form in {path, path.removeprefix(CLIP_TEXT_WRAPPER)}:
+                    candidates += [(pipe + form, key), (PEFT_WRAPPER + form, key)]
+    return _merged(candidates)
+
+
+def extend(module, comfy_map: dict, is_clip: bool) -> dict:
+    """ComfyUI's map plus the diffusers/PEFT names it lacks; ComfyUI's own entries are kept as they are."""
+    extra = text_encoder_names(module, comfy_map) if is_clip else diffusion_model_names(module, comfy_map)
+    return {**extra, **comfy_map}
