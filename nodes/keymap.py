@@ -81,17 +81,19 @@ def _encoder_roots(comfy_map: dict, weight_keys) -> dict[str, str]:
 
 
 def text_encoder_names(clip_model, comfy_map: dict) -> dict:
-    """Every weight of each text encoder ComfyUI's map names a diffusers pipeline prefix for, under that prefix
-    and, as PEFT's `save_pretrained` writes it, under `base_model.model.` (dropped where two encoders share it);
-    each with and without CLIPTextModel's `text_model.` wrapper."""
+    """Every weight of each text encoder ComfyUI's map names a diffusers pipeline prefix for, under that prefix,
+    with and without CLIPTextModel's `text_model.` wrapper. PEFT's `save_pretrained` names (`base_model.model.`) do
+    not say which encoder they are for: they map only when there is one."""
     weight_keys = [k for k in clip_model.state_dict() if k.endswith(WEIGHT)]
+    roots = _encoder_roots(comfy_map, set(weight_keys))
+    prefixes = {pipe: (pipe, PEFT_WRAPPER) if len(roots) == 1 else (pipe,) for pipe in roots}
     candidates = []
-    for pipe, root in _encoder_roots(comfy_map, set(weight_keys)).items():
+    for pipe, root in roots.items():
         for key in weight_keys:
             if key.startswith(root):
                 path = key[len(root): -len(WEIGHT)]
-                for form in {path, path.removeprefix(CLIP_TEXT_WRAPPER)}:
-                    candidates += [(pipe + form, key), (PEFT_WRAPPER + form, key)]
+                candidates += [(prefix + form, key) for form in {path, path.removeprefix(CLIP_TEXT_WRAPPER)}
+                               for prefix in prefixes[pipe]]
     return _merged(candidates)
 
 

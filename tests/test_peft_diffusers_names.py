@@ -320,3 +320,45 @@ def test_peft_lora_on_the_clip_text_model_maps_to_comfy_clip(cls, save_format, s
     got = weights_after_full_load(patched.patcher, list(merged))
     for key, truth in merged.items():  # ComfyUI keeps this CLIP in fp16: the patched weight is the truth rounded
         assert_rounded_from(got[key], truth, got[key].dtype, what=key)
+
+
+# --- SDXL on the meta device: two text encoders, and the UNet's diffusers names --------------------------------------
+
+SDXL_UNET = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
+             "legacy": False, "num_classes": "sequential", "adm_in_channels": 2816, "in_channels": 4,
+             "model_channels": 320, "num_res_blocks": [2, 2, 2], "transformer_depth": [0, 0, 2, 2, 10, 10],
+             "channel_mult": [1, 2, 4], "transformer_depth_middle": 10, "use_linear_in_transformer": True,
+             "context_dim": 2048, "num_head_channels": 64, "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10],
+             "use_temporal_attention": False, "use_temporal_resblock": False}
+
+
+def test_sdxl_text_encoders_map_to_their_own_clip_and_peft_names_only_when_unambiguous():
+    import comfy.sdxl_clip
+
+    clip_model = comfy.sdxl_clip.SDXLClipModel(device="meta")
+    key_map = lora_key_map(clip_model, is_clip=True)
+    weights = [k for k in clip_model.state_dict() if k.endswith(".weight")]
+    for prefix, root in (("text_encoder.", "clip_l.transformer."), ("text_encoder_2.", "clip_g.transformer.")):
+        mine = [k for k in weights if k.startswith(root)]
+        assert len(mine) >= 100  # 12 or 32 layers of 8 weights, embeddings, norms
+        for key in mine:
+            path = key[len(root): -len(".weight")]
+            assert key_map.get(prefix + path) == key, prefix + path
+            assert key_map.get(prefix + path.removeprefix("text_model.")) == key  # transformers 5's CLIPTextModel
+    # `base_model.model.` does not say which of the two encoders: no such name maps, not even clip_g's layer 31
+    assert not [k for k in key_map if k.startswith("base_model.model.")]
+
+
+def test_sdxl_unet_diffusers_names_map_under_each_prefix():
+    import comfy.model_base
+    import comfy.supported_models
+
+    with torch.device("meta"):
+        unet = comfy.model_base.SDXL(comfy.supported_models.SDXL(dict(SDXL_UNET)), device="meta")
+    key_map = lora_key_map(unet, is_clip=False)
+    names = {n[: -len(".weight")]: f"diffusion_model.{k}"
+             for n, k in comfy.utils.unet_to_diffusers(unet.model_config.unet_config).items() if n.endswith(".weight")}
+    assert "add_embedding.linear_1" in names and len(names) > 1000
+    for prefix in ("", "unet.", "base_model.model.", "unet.base_model.model."):
+        wrong = {prefix + n: key_map.get(prefix + n) for n, k in names.items() if key_map.get(prefix + n) != k}
+        assert not wrong, f"{len(wrong)} unmapped or wrong, e.g. {next(iter(wrong.items()))}"
