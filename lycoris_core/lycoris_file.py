@@ -13,7 +13,7 @@ import torch
 from .errors import LycorisError
 from .keys import PEFT_MAGNITUDE, split_key
 from .module import Module, build_modules
-from .peft_config import PeftConfig, from_metadata, module_options, read_config
+from .peft_config import PeftConfig, from_metadata, module_name, module_options, read_config
 from .safetensors_file import SafetensorsFile
 
 
@@ -114,7 +114,8 @@ def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state
     groups, unused = group_keys(state_dict, name)
     modules: dict[str, Module] = {}
     for prefix, group in groups.items():
-        built, leftover = build_modules(prefix, group, name, module_options(config, prefix))
+        built, leftover = build_modules(prefix, group, name, module_options(config, prefix),
+                                        module_name(config, prefix))
         if checked is not None:  # reading alpha faulted in the pages around it, mostly this module's own tensors
             for tensor in group.values():
                 checked(tensor)

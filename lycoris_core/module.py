@@ -7,7 +7,16 @@ from typing import Any
 import torch
 
 from . import dora
-from .algos import BIAS_ALGORITHMS, BY_NAME, LAYOUT_ONLY_KEYS, WEIGHT_ALGORITHMS, Algorithm, Layout, ShapeError
+from .algos import (
+    BIAS_ALGORITHMS,
+    BY_NAME,
+    LAYOUT_ONLY_KEYS,
+    WEIGHT_ALGORITHMS,
+    Algorithm,
+    Layout,
+    ShapeError,
+    option_entries,
+)
 from .errors import LycorisError
 from .keys import ALPHA, DORA_SCALE, PEFT_MAGNITUDE
 
@@ -94,22 +103,26 @@ def _with_peft_magnitude(group: dict[str, torch.Tensor], file: str | None, prefi
 
 
 def build_modules(prefix: str, group: dict[str, torch.Tensor], file: str | None = None,
-                  options: dict[str, Any] | None = None) -> tuple[list[Module], list[str]]:
+                  options: dict[str, Any] | None = None, module_name: str | None = None
+                  ) -> tuple[list[Module], list[str]]:
     """Parse one key group into modules; returns them and the suffixes no module read.
 
-    `options` are the module's PEFT config options (peft_config.module_options): without an alpha tensor, LoRA, LoHa
-    and LoKr take PEFT's scale from them. A dotted (diffusers/PEFT) module with neither is scaled 1 (alpha = rank,
-    diffusers' convention for PEFT files without alpha) and marked `scale_assumed`."""
+    `options` are the module's PEFT config options (peft_config.module_options), `module_name` its name in the model
+    PEFT wrapped (peft_config.module_name). Without an alpha tensor, LoRA, LoHa and LoKr take PEFT's scale from them;
+    a dotted (diffusers/PEFT) module with neither is scaled 1 (alpha = rank, diffusers' convention for PEFT files
+    without alpha) and marked `scale_assumed`. PEFT's OFT, BOFT and (IA)³ get the options their maths needs as
+    `peft_option.*` entries (algos.option_entries); entries the file holds itself win."""
     per_output = PEFT_MAGNITUDE in group
     group = _with_peft_magnitude(group, file, prefix)
     alpha = read_alpha(group[ALPHA]) if ALPHA in group else None
     scale = peft_scale(options or {}) if alpha is None else None
     modules, used = [], {ALPHA} if ALPHA in group else set()
     for algorithm in detect(group):
-        names = [k for k in algorithm.markers + algorithm.keys if k in group]
-        if algorithm.supports_dora and DORA_SCALE in group:
+        given = {**option_entries(algorithm, options or {}, module_name or prefix), **group}
+        names = [k for k in algorithm.markers + algorithm.keys if k in given]
+        if algorithm.supports_dora and DORA_SCALE in given:
             names.append(DORA_SCALE)
-        tensors = {k: group[k] for k in dict.fromkeys(names)}
+        tensors = {k: given[k] for k in dict.fromkeys(names)}
         try:
             layout = algorithm.layout(tensors, alpha if algorithm.uses_alpha else None)
         except ShapeError as e:

@@ -100,6 +100,14 @@ def pattern_value(patterns: Mapping[str, Any], module_name: str, default: Any) -
     return default
 
 
+def module_name(config: PeftConfig | None, module_prefix: str) -> str:
+    """The module's name in the model PEFT wrapped (what its patterns and feedforward_modules were matched against):
+    the file's key prefix without its component and without a PeftModel's `base_model.model.`."""
+    found = _component_of(config, module_prefix) if config is not None else None
+    name = found[1] if found is not None else module_prefix
+    return name.removeprefix(PEFT_MODEL_PREFIX)
+
+
 def module_options(config: PeftConfig | None, module_prefix: str) -> dict[str, Any]:
     """The module's PEFT options: its component's config with `r` and the alpha resolved through rank_pattern and
     alpha_pattern (the patterns themselves left out). `module_prefix` is the key prefix in the file. Empty when no
@@ -107,8 +115,7 @@ def module_options(config: PeftConfig | None, module_prefix: str) -> dict[str, A
     found = _component_of(config, module_prefix) if config is not None else None
     if found is None:
         return {}
-    raw, name = found
-    name = name.removeprefix(PEFT_MODEL_PREFIX)
+    raw, name = found[0], module_name(config, module_prefix)
     options = {k: v for k, v in raw.items() if k not in PATTERN_KEYS}
     if "r" in raw:
         options["r"] = pattern_value(raw.get("rank_pattern") or {}, name, raw["r"])

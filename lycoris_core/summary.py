@@ -136,7 +136,7 @@ def _module_summary(key: str, module: Module) -> ModuleSummary:
         key=key, algorithm=module.label, rank=module.layout.rank, alpha=module.alpha,
         params=sum(t.numel() for t in tensors.values()),
         conv=any(t.ndim > 2 for name, t in tensors.items() if name != DORA_SCALE),
-        dora_axis=_dora_axis(tensors.get(DORA_SCALE)),
+        dora_axis="out" if module.dora_per_output else _dora_axis(tensors.get(DORA_SCALE)),  # PEFT: per output
         tucker=any(name in tensors for name in ("lora_mid.weight", "hada_t1", "lokr_t2")),
     )
 

@@ -178,14 +178,7 @@ def test_save_pretrained_file_applies(tmp_path, variant_id):
     _check_merge(lfile, {k: v for k, v in truth.items() if k != "square"}, 1.0)
 
 
-# Options the tensors do not tell, which only the file's config gives: applied once the loader hands modules their
-# config (peft_config.module_options → algos.option_entries in build_modules, another part of issue #10).
-NEEDS_CONFIG = {"oft-neumann-3-terms", "oft-exact-cayley", "oft-coft", "oft-coft-exact", "ia3-feedforward"}
-_LOADER_PENDING = pytest.mark.xfail(strict=True, reason="the loader does not yet pass the PEFT config to modules")
-
-
-@pytest.mark.parametrize("variant_id", [pytest.param(v, marks=_LOADER_PENDING) if v in NEEDS_CONFIG else v
-                                        for v in sorted(VARIANTS)])
+@pytest.mark.parametrize("variant_id", sorted(VARIANTS))
 def test_file_options_reach_the_algorithm(tmp_path, variant_id):
     """Every option in the saved config is applied when the file is loaded: the loader hands each module its
     options (peft_config + option_entries). Square convs included: their (IA)³ side is only in the config."""

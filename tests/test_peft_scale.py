@@ -28,14 +28,13 @@ from lycoris_core import peft_config
 from lycoris_core.bypass import Contribution, LayerOp, forward
 
 peft = pytest.importorskip("peft")
-from diffusers.loaders import StableDiffusionLoraLoaderMixin, StableDiffusionXLLoraLoaderMixin  # noqa: E402
-from peft import LoHaConfig, LoKrConfig, LoraConfig  # noqa: E402
-from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: E402
-from peft.utils import get_peft_model_state_dict  # noqa: E402
-
-import test_nodes  # noqa: E402
-from lycoris_nodes.nodes.loaders import LycorisLoaderModelOnly  # noqa: E402
-from test_coverage import panel, run  # noqa: E402
+import test_nodes
+from diffusers.loaders import StableDiffusionLoraLoaderMixin, StableDiffusionXLLoraLoaderMixin
+from lycoris_nodes.nodes.loaders import LycorisLoaderModelOnly
+from peft import LoHaConfig, LoKrConfig, LoraConfig
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import get_peft_model_state_dict
+from test_coverage import panel, run
 
 # test_nodes' fixtures: the tiny SD1.5 (model, clip) and an empty loras folder that ComfyUI lists
 sd15 = test_nodes.sd15
@@ -204,7 +203,7 @@ def test_no_config_assumes_alpha_equal_rank_and_warns_once(tmp_path):
 def test_alpha_tensor_wins_over_config(tmp_path):
     """A kohya/LyCORIS-style alpha tensor is the module's own: the config's scale does not override it."""
     config = lora(r=4, lora_alpha=11)
-    model, base = adapted(config)
+    model, _base = adapted(config)
     path = save_diffusers(tmp_path, model, config)
     state = lycoris_core.SafetensorsFile(path)
     tensors = {k: t.clone() for k, t in state.tensors().items()}
@@ -424,7 +423,7 @@ def test_cache_reads_the_sibling_config_and_rereads_it_when_edited(tmp_path):
     """The node's file cache: a save_pretrained file at its adapter_config.json's scale, re-read once that is edited."""
     from lycoris_nodes.nodes import cache
     cache.clear()
-    path, base, truth = save_pretrained(tmp_path, lora(r=4, lora_alpha=11), seed=13)
+    path, _base, _truth = save_pretrained(tmp_path, lora(r=4, lora_alpha=11), seed=13)
     key = "base_model.model.lin.weight"
     assert cache.load_cached(path).modules[key].layout.scale == pytest.approx(11 / 4)
     config_path = tmp_path / "adapter_config.json"
