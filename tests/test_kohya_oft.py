@@ -126,30 +126,25 @@ def test_merge_equals_sd_scripts(sd15, loras, alpha, strength):
 
 def test_linear_strength_mode_is_sd_scripts_multiplier_too(sd15, loras):
     """Without a rescale, W + m·(RᵀW − W) = (I + m(R − I))ᵀW: both strength modes are sd-scripts' multiplier."""
-    model = sd15[0]
-    sd = kohya_file(BINDING)
-    name = write(loras, "kohya_oft.safetensors", sd)
-    patched = execute(LycorisLoaderModelOnly, model=model, lycoris_name=name, strength_model=0.5,
-                      strength_mode="linear", apply_mode="merge").result[0]
-    base = model.model.state_dict()
-    got = weights_after_full_load(patched, list(TARGETS.values()))
-    for prefix, key in TARGETS.items():
-        assert rel(got[key], truth_weight(sd, prefix, base[key], 0.5)) < RTOL
+    assert_merged_like_sd_scripts(sd15[0], loras, kohya_file(BINDING), 0.5, "linear")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_merge_of_a_half_precision_file_uses_the_stored_values(sd15, loras, dtype):
     """save_precision fp16/bf16 rounds alpha too (sd-scripts casts the whole state dict): the constraint is the
     stored alpha · out, as sd-scripts reads it back (param.item())."""
-    model = sd15[0]
-    sd = kohya_file(BINDING, dtype=dtype)
+    assert_merged_like_sd_scripts(sd15[0], loras, kohya_file(BINDING, dtype=dtype), 1.0, "lycoris")
+
+
+def assert_merged_like_sd_scripts(model, loras, sd, strength, strength_mode):
+    """The file merged by the loader node at `strength` equals sd-scripts' forward, weight by weight."""
     name = write(loras, "kohya_oft.safetensors", sd)
-    patched = execute(LycorisLoaderModelOnly, model=model, lycoris_name=name, strength_model=1.0,
-                      strength_mode="lycoris", apply_mode="merge").result[0]
+    patched = execute(LycorisLoaderModelOnly, model=model, lycoris_name=name, strength_model=strength,
+                      strength_mode=strength_mode, apply_mode="merge").result[0]
     base = model.model.state_dict()
     got = weights_after_full_load(patched, list(TARGETS.values()))
     for prefix, key in TARGETS.items():
-        assert rel(got[key], truth_weight(sd, prefix, base[key], 1.0)) < RTOL
+        assert rel(got[key], truth_weight(sd, prefix, base[key], strength)) < RTOL
 
 
 def test_sdxl_names_map():
