@@ -10,7 +10,6 @@ text encoders (no CLIP-G here); OneTrainer writes no Wan LoRA.
 """
 
 import dataclasses
-import importlib.util
 
 import comfy.supported_models as supported
 import pytest
@@ -22,10 +21,6 @@ from lycoris_nodes.nodes.apply import build_patches, lora_key_map, map_file, mod
 
 sd15 = test_nodes.sd15  # fixture
 
-# nodes/keymap.py (diffusers/PEFT names from ComfyUI's converters) is being added by another change of issue #10
-HAS_KEYMAP = importlib.util.find_spec("lycoris_nodes.nodes.keymap") is not None
-NO_DIFFUSERS_UNET = ("diffusers' UNet names (unet.…to_q.lora_A) are not in ComfyUI's SD1.5/SDXL key map, which knows "
-                     "only the processor.to_q form; nodes/keymap.py adds them")
 NO_WAN_CONVERTER = ("diffusers' Wan names (blocks.N.attn1.to_q, ffn.net.0.proj) have no converter in ComfyUI "
                     "(comfy.utils has none for Wan and model_lora_keys_unet no Wan branch), and the issue rules out "
                     "hand-written name tables")
@@ -100,8 +95,6 @@ NAMES = [
     ("SimpleTuner", "wan", "lycoris_blocks_0_attn1_to_q", LORA, WAN_Q, None, SIMPLETUNER_LYCORIS),
 ]
 EXPECTED_MISSES = {  # (architecture, module name) -> why it does not map
-    ("sd15", "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"): None if HAS_KEYMAP else NO_DIFFUSERS_UNET,
-    ("sdxl", "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"): None if HAS_KEYMAP else NO_DIFFUSERS_UNET,
     ("wan", "transformer.blocks.0.attn1.to_q"): NO_WAN_CONVERTER,
     ("wan", "lycoris_blocks_0_attn1_to_q"): NO_WAN_CONVERTER,
 }
