@@ -29,6 +29,7 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, inject_a
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import save_file
 from test_nodes import LOGGER, run_node, weights_after_full_load
+from test_trainer_names import SDXL_CONFIG  # ComfyUI's own SDXL UNet config
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 sd15 = test_nodes.sd15
@@ -324,13 +325,6 @@ def test_peft_lora_on_the_clip_text_model_maps_to_comfy_clip(cls, save_format, s
 
 # --- SDXL on the meta device: two text encoders, and the UNet's diffusers names --------------------------------------
 
-SDXL_UNET = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
-             "legacy": False, "num_classes": "sequential", "adm_in_channels": 2816, "in_channels": 4,
-             "model_channels": 320, "num_res_blocks": [2, 2, 2], "transformer_depth": [0, 0, 2, 2, 10, 10],
-             "channel_mult": [1, 2, 4], "transformer_depth_middle": 10, "use_linear_in_transformer": True,
-             "context_dim": 2048, "num_head_channels": 64, "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10],
-             "use_temporal_attention": False, "use_temporal_resblock": False}
-
 
 def test_sdxl_text_encoders_map_to_their_own_clip_and_peft_names_only_when_unambiguous():
     import comfy.sdxl_clip
@@ -354,7 +348,7 @@ def test_sdxl_unet_diffusers_names_map_under_each_prefix():
     import comfy.supported_models
 
     with torch.device("meta"):
-        unet = comfy.model_base.SDXL(comfy.supported_models.SDXL(dict(SDXL_UNET)), device="meta")
+        unet = comfy.model_base.SDXL(comfy.supported_models.SDXL(dict(SDXL_CONFIG)), device="meta")
     key_map = lora_key_map(unet, is_clip=False)
     names = {n[: -len(".weight")]: f"diffusion_model.{k}"
              for n, k in comfy.utils.unet_to_diffusers(unet.model_config.unet_config).items() if n.endswith(".weight")}
