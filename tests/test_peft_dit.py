@@ -291,7 +291,7 @@ def test_peft_ia3_scales_each_normal_layers_bias_like_peft_merge(files, flux, lo
     check_node_result(patcher, name, biases, to_comfy)
 
 
-CONVERTER_REASON = "ComfyUI stores this weight converted"
+CONVERTER_REASON = "ComfyUI stores this parameter converted"
 
 
 @pytest.mark.xfail(strict=True, reason="the refusal belongs in nodes/apply.py find_target (H1's file): proposed in "
@@ -309,6 +309,7 @@ def test_adapter_reading_the_weight_is_refused_on_a_converted_weight(kind, flux,
         written = save(model, None, kind, "save_pretrained", tmp_path)
     name = put(loras, {n: (tmp_path / n).read_bytes() for n in written})
     _, report = map_file(read(loras / name), patcher, None, reference=False)
-    assert [key for key, _ in report.problems] == [f"base_model.model.{CONVERTED}.weight"]
-    assert CONVERTER_REASON in report.problems[0][1]
-    assert len(report.applied) == 4  # to_q of each double and single block
+    params = ("bias", "weight") if kind == "ia3" else ("weight",)  # (IA)³ also scales the bias (per output row)
+    assert sorted(key for key, _ in report.problems) == [f"base_model.model.{CONVERTED}.{p}" for p in params]
+    assert all(CONVERTER_REASON in reason for _, reason in report.problems)
+    assert len(report.applied) == 4 * len(params)  # to_q of each double and single block
