@@ -53,8 +53,34 @@ stamp_inputs() {
     # An external checkout's requirements can change under us; ours are fixed by the wheel version.
     if [[ "$COMFY" != 0.33 && -n "${COMFYUI_PATH:-}" ]]; then cat "$COMFY_DIR/requirements.txt"; fi
     "$BASE_PYTHON" -c 'import sys; print(sys.version)'
+    sha256sum "$ROOT"/../shared/comfyui-gguf/ComfyUI-GGUF-*.tar.gz 2>/dev/null | cut -c1-64 || true
 }
 STAMP="$DEPS/.setup-$COMFY-$(stamp_inputs | sha256sum | cut -c1-16)"
+
+# The real ComfyUI-GGUF pack for the GGUF tests (tests/test_gguf.py), from ../shared/comfyui-gguf/ (it is not on the
+# package registry). Unpacked into .deps/custom_nodes, never into the ComfyUI folder: a user's own COMFYUI_PATH
+# checkout is never written to. Checked on every run (a marker holds the tarball's hash), before the stamp, like the
+# browser pieces; without the tarball the GGUF tests skip, naming ../shared/comfyui-gguf.
+GGUF_DIR="$DEPS/custom_nodes/ComfyUI-GGUF"
+install_gguf_pack() {
+    local tarball want
+    tarball="$(ls "$ROOT"/../shared/comfyui-gguf/ComfyUI-GGUF-*.tar.gz 2>/dev/null | head -n 1 || true)"
+    if [[ -z "$tarball" ]]; then
+        log "WARNING: no ../shared/comfyui-gguf/ComfyUI-GGUF-*.tar.gz: the GGUF tests will skip"
+        return
+    fi
+    want="$(sha256sum "$tarball" | cut -c1-64)"
+    if [[ -f "$GGUF_DIR/.from-tarball" && "$(cat "$GGUF_DIR/.from-tarball")" == "$want" ]]; then
+        return
+    fi
+    log "unpacking $(basename "$tarball") to $GGUF_DIR"
+    rm -rf "$GGUF_DIR.tmp" "$GGUF_DIR"
+    mkdir -p "$GGUF_DIR.tmp"
+    tar -xzf "$tarball" -C "$GGUF_DIR.tmp" --strip-components=1
+    echo "$want" > "$GGUF_DIR.tmp/.from-tarball"
+    mv "$GGUF_DIR.tmp" "$GGUF_DIR"
+}
+install_gguf_pack
 
 # The browser test's pieces (tests/e2e/test_browser_panel.py): Debian's Chromium and playwright-core from npm.
 # Checked on every run, before the stamp, because they live outside .deps (apt) or can be removed on their own;
