@@ -12,14 +12,24 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import comfy.lora
+import comfy.utils
 import torch
 
 from ..lycoris_core import LycorisError, LycorisFile, Module, Plan
 from ..lycoris_core.block_weights import BlockWeights
 from ..lycoris_core.summary import declared_family, family_id, infer_family
-from . import keymap
+from . import gguf, keymap
 from .adapter import LycorisAdapter
-from .bypass import bypassed_layers, contribution, injection, layer_name, skips_forward, wants_bypass
+from .bypass import (
+    bypassed_layers,
+    contribution,
+    injection,
+    layer_name,
+    merge_rounds,
+    skips_forward,
+    storage_format,
+    wants_bypass,
+)
 
 log = logging.getLogger("lycoris_nodes")
 
@@ -67,6 +77,8 @@ class ApplyReport:
     bypassed: int = 0  # patches run in the layers' forward instead of merged (apply_mode bypass/auto)
     # ... of which added to the weight when ComfyUI casts it, on int8 layers it multiplies without their forward
     at_weight_cast: int = 0
+    bypassed_formats: Counter = field(default_factory=Counter)  # bypassed weights not stored as plain float
+    merged_rounded: Counter = field(default_factory=Counter)  # merged weights whose storage re-rounds W+ΔW
     warnings: list[str] = field(default_factory=list)  # what the loader assumed where the file says nothing
     targets: dict[str, Applied] = field(default_factory=dict, repr=False)
 
@@ -76,6 +88,8 @@ class ApplyReport:
         bypass = f", {self.bypassed} in bypass" if self.bypassed else ""
         if self.at_weight_cast:
             bypass += f", {self.at_weight_cast} of them added at the weight cast ({AT_WEIGHT_CAST})"
+        if self.bypassed_formats:
+            bypass += "; " + ", ".join(f"{fmt}: {n} bypassed" for fmt, n in self.bypassed_formats.most_common())
         return (f"{self.file}: {len(self.applied)}/{self.total} modules applied"
                 + (f" ({algos}{share}{bypass})" if algos else "") + (f". {self.verdict}" if self.verdict else ""))
 
@@ -88,7 +102,8 @@ class ApplyReport:
         return {"file": self.file, "line": self.line(), "applied": len(self.applied), "total": self.total,
                 "algorithms": dict(self.labels.most_common()), "params_applied": self.params_applied,
                 "params_total": self.params_total, "verdict": self.verdict, "bypassed": self.bypassed,
-                "at_weight_cast": self.at_weight_cast, "warnings": list(self.warnings),
+                "at_weight_cast": self.at_weight_cast, "bypassed_formats": dict(self.bypassed_formats.most_common()),
+                "warnings": list(self.warnings),
                 "problems": [list(p) for p in self.problems], "unused_keys": [list(u) for u in self.unused_keys]}
 
 
@@ -214,8 +229,12 @@ _shapes: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDic
 
 
 def model_shapes(module) -> dict[str, tuple[int, ...]]:
+    """Every state-dict key's shape as the model uses it: a GGUF layer's state_dict() gives meta tensors of its
+    packed storage shape, so its weights' logical shapes are read off the weights themselves."""
     if module not in _shapes:
-        _shapes[module] = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        shapes.update({k: gguf.logical_shape(v) for k, v in module.named_parameters() if gguf.is_gguf_tensor(v)})
+        _shapes[module] = shapes
     return _shapes[module]
 
 
@@ -289,13 +308,22 @@ def apply_file(lfile: LycorisFile, model, clip, strength_model: float, strength_
         log.warning("LyCORIS %s; not applied:\n%s", report.line(), report.details())
     else:
         log.info("LyCORIS %s", report.line())
-    for warning in report.warnings:
-        log.warning("LyCORIS %s", warning)
     weights = block_weights or BlockWeights()
     key = f"lycoris:{injection_key or uuid.uuid4().hex}"
     new_model = _patched(model, patches.get("model"), strength_model, reference, report, weights, apply_mode, key)
     new_clip = _patched(clip, patches.get("clip"), strength_clip, reference, report, weights, apply_mode, key)
+    if report.merged_rounded:
+        report.warnings.append(rounded_merge_warning(report.merged_rounded, apply_mode))
+    for warning in report.warnings:
+        log.warning("LyCORIS %s", warning)
     return new_model, new_clip, report
+
+
+def rounded_merge_warning(merged_rounded: Counter, apply_mode: str) -> str:
+    formats = ", ".join(f"{fmt} {n}" for fmt, n in merged_rounded.most_common())
+    hint = "; apply_mode auto keeps it exact (the change runs in those layers' forward)" if apply_mode == "merge" else ""
+    return (f"{sum(merged_rounded.values())} patches were merged into quantized weights ({formats}): the merge "
+            f"re-rounds W+ΔW to the stored format, so part of the change is lost{hint}")
 
 
 def is_off(strength: float, reference: bool) -> bool:
@@ -316,7 +344,7 @@ def patched_clone(target, patches: dict, strength: float, weights: BlockWeights 
     bypassed count, and how many of those are added at the weight cast instead of the forward."""
     patched = target.clone()
     patcher = getattr(patched, "patcher", patched)  # a CLIP keeps its ModelPatcher in .patcher
-    refused, bypassed = [], []
+    refused, bypassed, merged = [], [], set()
     before = bypassed_layers(patcher)
     # merge with no bypassed file before it: nothing can be bypassed, so skip the per-layer look-up
     modules = dict(patcher.model.named_modules()) if apply_mode != "merge" or before else {}
@@ -325,6 +353,7 @@ def patched_clone(target, patches: dict, strength: float, weights: BlockWeights 
                      and wants_bypass(apply_mode, modules.get(layer_name(_weight_key(k))), k, a.plan, before)}
         bypassed += [(_weight_key(k), contribution(group[k], k, strength * weight)) for k in group if k in to_bypass]
         to_merge = {k: a for k, a in group.items() if k not in to_bypass}
+        merged.update(_weight_key(k) for k in to_merge)
         if to_merge:
             accepted = set(patched.add_patches(to_merge, strength * weight))
             refused += [k for k in to_merge if k not in accepted]
@@ -337,6 +366,10 @@ def patched_clone(target, patches: dict, strength: float, weights: BlockWeights 
     if report is not None:
         report.bypassed += len(bypassed)
         report.at_weight_cast += sum(skips_forward(modules[layer_name(k)]) for k, _ in bypassed)
+        report.bypassed_formats.update(f for f in (storage_format(modules[layer_name(k)].weight) for k, _ in bypassed)
+                                       if f)
+        report.merged_rounded.update(f for f in (merge_rounds(comfy.utils.get_attr(patcher.model, k)) for k in merged)
+                                     if f)
     return patched, len(bypassed)
 
 

@@ -23,6 +23,7 @@ from comfy.quant_ops import QuantizedTensor
 
 from ..lycoris_core.bypass import Contribution, LayerOp, changed_weight, forward, is_bypassable, reads_weight
 from ..lycoris_core.casting import cast
+from . import gguf
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 MODES = ("merge", "bypass", "auto")
@@ -36,7 +37,9 @@ def layer_op(layer: torch.nn.Module) -> LayerOp | None:
     if isinstance(layer, torch.nn.modules.conv._ConvNd):
         if layer.padding_mode != "zeros" or layer.transposed:
             return None
-        return LayerOp(layer.weight.ndim - 2, tuple(layer.stride), layer.padding, tuple(layer.dilation), layer.groups)
+        # kernel_size, not weight.ndim: a GGUF weight's storage is its packed blocks
+        return LayerOp(len(layer.kernel_size), tuple(layer.stride), layer.padding, tuple(layer.dilation),
+                       layer.groups)
     if hasattr(layer, "in_features") and hasattr(layer, "out_features") and not isinstance(layer, torch.nn.Embedding):
         return LayerOp()
     return None
@@ -47,16 +50,49 @@ def _data(weight: torch.Tensor) -> torch.Tensor:
 
 
 def is_plain_float(weight: torch.Tensor) -> bool:
-    """A weight a merge can patch without loss: an ordinary fp32/fp16/bf16/fp64 tensor."""
+    """A weight a merge can patch without loss beyond its dtype's rounding: an ordinary fp32/fp16/bf16/fp64 tensor,
+    or a GGUF F16/F32 one (plain float data; the GGUF pack merges it like any fp16 weight)."""
+    if gguf.is_gguf_tensor(weight):  # before `.data`, which drops the GGUF attributes
+        return not gguf.is_packed(weight) and weight.dtype in FLOAT_DTYPES
     data = _data(weight)
     return type(data) is torch.Tensor and data.dtype in FLOAT_DTYPES
 
 
 def is_readable(weight: torch.Tensor) -> bool:
-    """A weight `float_weight` can read: an ordinary tensor of any float dtype (fp8 included) or ComfyUI's
-    QuantizedTensor. Other tensor types (GGUF's) hold packed blocks only their own ops can decode."""
+    """A weight `float_weight` can read: an ordinary tensor of any float dtype (fp8 included), ComfyUI's
+    QuantizedTensor, or a GGUF weight (decoded by the GGUF pack's own cast)."""
+    if gguf.is_gguf_tensor(weight):
+        return True
     data = _data(weight)
     return isinstance(data, QuantizedTensor) or (type(data) is torch.Tensor and data.is_floating_point())
+
+
+# ComfyUI's QuantizedTensor layouts whose name says more than their stored dtype (0.33 `_layout_cls`)
+_LAYOUT_FORMATS = {"TensorCoreMXFP8Layout": "mxfp8", "TensorCoreNVFP4Layout": "nvfp4", "TensorWiseINT8Layout": "int8"}
+
+
+def _dtype_format(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.").replace("float8_", "fp8 ")
+
+
+def storage_format(weight: torch.Tensor) -> str | None:
+    """How a weight is stored when that is not plain float ("GGUF Q4_0", "fp8 e4m3fn", "int8", "mxfp8"), else None
+    (fp32/fp16/bf16, GGUF F16/F32)."""
+    if gguf.is_gguf_tensor(weight):
+        return f"GGUF {gguf.type_name(weight)}" if gguf.is_packed(weight) else None
+    data = _data(weight)
+    if isinstance(data, QuantizedTensor):
+        layout = getattr(data, "_layout_cls", None) or getattr(data, "_layout_type", None)  # 0.33 / 0.3.75
+        name = layout if isinstance(layout, str) else getattr(layout, "__name__", "")
+        return _LAYOUT_FORMATS.get(name) or _dtype_format(data._qdata.dtype)
+    return None if data.dtype in FLOAT_DTYPES else _dtype_format(data.dtype)
+
+
+def merge_rounds(weight: torch.Tensor) -> str | None:
+    """The storage format a merge re-rounds W+ΔW into (fp8, ComfyUI's quantized layouts), else None. A packed GGUF
+    weight is not: the GGUF pack applies merged patches to the decoded weight at every forward."""
+    fmt = storage_format(weight)
+    return None if fmt is None or gguf.is_gguf_tensor(weight) else fmt
 
 
 def is_comfy_op(layer: torch.nn.Module) -> bool:
@@ -91,7 +127,11 @@ def float_weight(layer: torch.nn.Module, device: torch.device) -> torch.Tensor:
     """The layer's weight as fp32 on `device`, as its forward runs it: with the patches merged before this adapter
     (in the weight, in a LowVramPatch of an offloaded layer, or applied on the fly under dynamic VRAM),
     dequantized (QuantizedTensor) or unscaled (scaled fp8). A comfy.ops layer is read through ComfyUI's own cast
-    path; a new tensor, so it is released at once and holds nothing of ComfyUI's while the layer's forward runs."""
+    path; a new tensor, so it is released at once and holds nothing of ComfyUI's while the layer's forward runs.
+    A packed GGUF weight is read through the GGUF pack's own cast, which decodes it and applies the patches its
+    GGUFModelPatcher attached to it."""
+    if gguf.is_gguf_layer(layer) and gguf.is_packed(layer.weight):
+        return cast(gguf.read_weight(layer, device), device, torch.float32)
     if not is_comfy_op(layer):
         return _own_float_weight(layer, device)
     dtype = _read_dtype(layer, device)
@@ -102,7 +142,7 @@ def float_weight(layer: torch.nn.Module, device: torch.device) -> torch.Tensor:
         convert = getattr(layer, "convert_weight", None)  # 0.3.75's scaled fp8: the cast gives W / scale_weight
         if convert is not None:
             read = convert(read, inplace=False)
-        return cast(read, device, torch.float32)
+        return cast(read, device, torch.float32).as_subclass(torch.Tensor)  # a GGUF F16 weight reads as its class
     finally:
         comfy.ops.uncast_bias_weight(layer, weight, bias, offload)
 
@@ -140,7 +180,7 @@ class BypassLayer:
         weight = float_weight(self.layer, x.device) if any(c.reads_weight for c in contributions) else None
         run = self.own_forward or type(self.layer).forward.__get__(self.layer)
         y = run(x, *args, **kwargs)
-        return forward(x, y, self.op, contributions, lambda: weight, tuple(self.layer.weight.shape))
+        return forward(x, y, self.op, contributions, lambda: weight, gguf.logical_shape(self.layer.weight))
 
     @classmethod
     def on(cls, layer: torch.nn.Module, op: LayerOp) -> "BypassLayer":

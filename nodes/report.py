@@ -11,7 +11,9 @@ from ..lycoris_core import change_norms
 from ..lycoris_core.block_weights import BlockWeights
 from ..lycoris_core.blocks import block_of
 from ..lycoris_core.summary import summarize
+from . import gguf
 from .apply import Applied, ApplyReport, model_shapes
+from .bypass import layer_name
 
 # Measuring the change costs about one patch pass over the touched weights; above this many weight elements the
 # loaders leave it to the LyCORIS Info node so a strength change stays quick.
@@ -35,11 +37,15 @@ def unpatched_weight(patcher, key: str) -> torch.Tensor:
 
 def _weight_fp32(patcher, applied: Applied) -> torch.Tensor:
     """The unpatched target weight as ComfyUI would patch it: an fp32 copy, dequantised, narrowed to the module's
-    slice."""
+    slice. A packed GGUF weight is decoded by the GGUF pack (the patches it carries are not applied)."""
     key = applied.target.key
     weight = unpatched_weight(patcher, key)
     _weight, _set, convert = comfy.model_patcher.get_key_weight(patcher.model, key)
-    temp = comfy.model_management.cast_to_device(weight, weight.device, torch.float32, copy=True)
+    if gguf.is_packed(weight):
+        temp = gguf.decoded(patcher.model.get_submodule(layer_name(key)), weight)
+    else:
+        temp = comfy.model_management.cast_to_device(weight, weight.device, torch.float32, copy=True)
+        temp = temp.as_subclass(torch.Tensor)  # a GGUF F16 weight copies as its own class
     if convert is not None:
         temp = convert(temp, inplace=True)
     if applied.target.offset is not None:
