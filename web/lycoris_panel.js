@@ -466,9 +466,21 @@ class LycorisPanel {
         const problems = [...list(report.problems), ...list(report.unused_keys)];
         const nothing = report.applied === 0 && report.total > 0;
         const partial = problems.length > 0 || report.applied < report.total || !!report.verdict;
-        const level = nothing ? "lycoris-error" : partial ? "lycoris-warn" : "lycoris-ok";
+        // What the loader assumed or lost while applying (a merge re-rounding into quantized weights, an alpha
+        // taken from the rank): shown under the line, and the box is amber.
+        const warnings = list(report.warnings);
+        const level = nothing ? "lycoris-error" : partial || warnings.length ? "lycoris-warn" : "lycoris-ok";
         const box = el("div", `lycoris-coverage ${level}`);
         box.appendChild(el("div", "lycoris-line", report.line || `${report.applied}/${report.total} modules applied`));
+        if (warnings.length) {
+            const items = el("ul", "lycoris-problems lycoris-warnings");
+            for (const warning of warnings) {
+                const item = el("li", null, String(warning));
+                item.title = item.textContent;
+                items.appendChild(item);
+            }
+            box.appendChild(items);
+        }
         if (problems.length) {
             const items = el("ul", "lycoris-problems");
             for (const problem of problems.slice(0, MAX_PROBLEMS)) {
