@@ -39,7 +39,12 @@ from test_nodes import _tiny_sd15_path, sample
 
 import nodes as comfy_nodes  # ComfyUI's nodes.py
 
-gguf = pytest.importorskip("gguf", reason="gguf (requirements-dev.txt) is not installed: run scripts/setup.sh")
+try:
+    import gguf
+except ImportError:
+    if os.environ.get("CI"):  # CI must run these tests: a missing dependency is a failure there
+        raise
+    pytest.skip("gguf (requirements-dev.txt) is not installed: run scripts/setup.sh", allow_module_level=True)
 
 PACK_DIR = REPO_ROOT / ".deps" / "custom_nodes" / "ComfyUI-GGUF"
 F64 = torch.float64
@@ -388,7 +393,8 @@ def test_gguf_table(qtype, mode, algo_id, gguf_models, reference, loras):
             error = float((got - want).norm())
             allowed = TOLERANCE * change + FP32_FLOOR * float(y_base.norm())
             assert error <= allowed, f"{what}: off by {error / change:.2e} of the change (allowed {allowed:.2e})"
-            worst = max(worst, error / change)
+            if change > 1e-3 * float(y_base.norm()):
+                worst = max(worst, error / change)
     print(f"GGUF {qtype} {mode} {algo_id}: worst exact-checked layer off by {worst:.1e} of its change")  # -s: README
     assert changed >= len(layers) - 1, f"the reference changes only {changed} layers noticeably"
     comfy.model_management.unload_all_models()
