@@ -3,13 +3,16 @@
 ComfyUI maps a UNet's diffusers names only in the old attention-processor form (`unet.….attn1.processor.to_q`),
 and a DiT's under the one prefix its diffusers loader writes (`transformer.…`). PEFT and diffusers write the plain
 module paths under more prefixes: bare (`get_peft_model_state_dict`), `unet.` / `transformer.` / `text_encoder.`
-(`save_lora_weights`), `base_model.model.` (PEFT's `save_pretrained`). Every name here comes from a converter
-ComfyUI already uses for this model (`comfy.utils.unet_to_diffusers`, and the `*_to_diffusers` maps behind its
-`transformer.` entries) or from the text-encoder entries of `model_lora_keys_clip`, never from a table of our own.
+(`save_lora_weights`), `base_model.model.` (PEFT's `save_pretrained`), and a pipeline prefix with PEFT's wrapper
+(`text_encoder.base_model.model.`). Every name here comes from a converter ComfyUI already uses for this model
+(`comfy.utils.unet_to_diffusers`, and the `*_to_diffusers` maps behind its `transformer.` entries) or from the
+text-encoder entries of `model_lora_keys_clip`, never from a table of our own.
 
 A name two of our sources give different weights is left out, and ComfyUI's own entry always wins: a name that
 does not map is reported, a name mapped to the wrong weight would be applied silently.
 """
+
+import re
 
 import comfy.utils
 
@@ -23,6 +26,8 @@ PEFT_WRAPPER = "base_model.model."
 # encoder trained there is named `text_encoder.encoder.layers.…` where transformers 4 wrote `…text_model.encoder.…`.
 CLIP_TEXT_WRAPPER = "text_model."
 WEIGHT = ".weight"
+# kohya's names for the Nth text encoder of a pipeline, as ComfyUI's map writes them (`lora_te2_…`, also for T5).
+KOHYA_ENCODER = re.compile(r"lora_te(\d+)_(.+)")
 
 
 def _merged(candidates: list[tuple[str, object]]) -> dict:
@@ -66,27 +71,49 @@ def diffusion_model_names(model, comfy_map: dict) -> dict:
     return _merged(candidates)
 
 
+def _kohya_root(name: str, target: str) -> tuple[str, str] | None:
+    """(pipeline prefix, root) of a `lora_teN_<path>` entry: the root is the start of the target whose rest, dots
+    written as underscores, is <path>. kohya's Nth text encoder is the pipeline's `text_encoder_N` (N = 1:
+    `text_encoder`), as ComfyUI's own map pairs them (SDXL: `lora_te2_…` and `text_encoder_2.…` on CLIP-G); this is
+    how T5, for which ComfyUI writes only kohya names, gets its pipeline prefix (Flux: 2, SD3: 3)."""
+    match = KOHYA_ENCODER.fullmatch(name)
+    if match is None or not target.endswith(WEIGHT):
+        return None
+    index, path = int(match.group(1)), match.group(2)
+    stem = target[: -len(WEIGHT)]
+    if len(stem) <= len(path) or stem[-len(path) - 1] != "." or stem[-len(path):].replace(".", "_") != path:
+        return None
+    pipe = "text_encoder." if index == 1 else f"text_encoder_{index}."
+    return (pipe, stem[: -len(path)]) if pipe in TEXT_ENCODER_PIPE_PREFIXES else None
+
+
 def _encoder_roots(comfy_map: dict, weight_keys) -> dict[str, str]:
     """`text_encoder.` -> `clip_l.transformer.` etc.: where ComfyUI's own diffusers entries for each pipeline
-    text encoder point. A pipeline prefix whose entries point into two roots is left out."""
+    text encoder point, and its kohya `lora_teN_` entries. A pipeline prefix whose entries point into two roots is
+    left out."""
     roots: dict[str, set[str]] = {}
     for name, target in comfy_map.items():
-        if not isinstance(name, str) or not isinstance(target, str):
+        if not isinstance(name, str) or not isinstance(target, str) or target not in weight_keys:
             continue
         for pipe in TEXT_ENCODER_PIPE_PREFIXES:
             path = name[len(pipe):] if name.startswith(pipe) else None
-            if path and target.endswith(path + WEIGHT) and target in weight_keys:
+            if path and target.endswith(path + WEIGHT):
                 roots.setdefault(pipe, set()).add(target[: -len(path + WEIGHT)])
+        kohya = _kohya_root(name, target)
+        if kohya is not None:
+            roots.setdefault(kohya[0], set()).add(kohya[1])
     return {pipe: found.pop() for pipe, found in roots.items() if len(found) == 1}
 
 
 def text_encoder_names(clip_model, comfy_map: dict) -> dict:
-    """Every weight of each text encoder ComfyUI's map names a diffusers pipeline prefix for, under that prefix,
-    with and without CLIPTextModel's `text_model.` wrapper. PEFT's `save_pretrained` names (`base_model.model.`) do
-    not say which encoder they are for: they map only when there is one."""
+    """Every weight of each text encoder ComfyUI's map names a diffusers pipeline prefix for, under that prefix
+    (also with PEFT's wrapper after it), with and without CLIPTextModel's `text_model.` wrapper. PEFT's
+    `save_pretrained` names (`base_model.model.` alone) do not say which encoder they are for: they map only when
+    there is one."""
     weight_keys = [k for k in clip_model.state_dict() if k.endswith(WEIGHT)]
     roots = _encoder_roots(comfy_map, set(weight_keys))
-    prefixes = {pipe: (pipe, PEFT_WRAPPER) if len(roots) == 1 else (pipe,) for pipe in roots}
+    prefixes = {pipe: (pipe, pipe + PEFT_WRAPPER) + ((PEFT_WRAPPER,) if len(set(roots.values())) == 1 else ())
+                for pipe in roots}
     candidates = []
     for pipe, root in roots.items():
         for key in weight_keys:

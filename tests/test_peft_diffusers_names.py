@@ -283,8 +283,10 @@ def comfy_clip_key(name: str) -> str:
     return "clip_l.transformer." + inner
 
 
+# save_lora_weights of a PeftModel's state dict: `text_encoder.base_model.model.…` (a text encoder wrapped by
+# get_peft_model, saved by diffusers)
 TEXT_CASES = [(CLIPTextModel, "save_lora_weights"), (CLIPTextModel, "save_pretrained"),
-              (CLIPTextModelWithProjection, "save_lora_weights")]
+              (CLIPTextModel, "save_lora_weights+peft_model"), (CLIPTextModelWithProjection, "save_lora_weights")]
 
 
 @pytest.mark.parametrize("cls,save_format", TEXT_CASES, ids=lambda x: getattr(x, "__name__", x))
@@ -305,15 +307,21 @@ def test_peft_lora_on_the_clip_text_model_maps_to_comfy_clip(cls, save_format, s
         wrapped = get_peft_model(text_model, config)
         wrapped.save_pretrained(str(loras / "te-peft"))
         (loras / name).write_bytes((loras / "te-peft" / "adapter_model.safetensors").read_bytes())
-    else:  # what transformers' `add_adapter` does (it asks for peft >= 0.22 here), then diffusers' saver
-        wrapped = inject_adapter_in_model(config, text_model)
+    else:  # what transformers' `add_adapter` does (it asks for peft >= 0.22 here), or a PeftModel; diffusers' saver
+        wrapped = (get_peft_model(text_model, config) if save_format.endswith("+peft_model")
+                   else inject_adapter_in_model(config, text_model))
         StableDiffusionPipeline.save_lora_weights(str(loras), text_encoder_lora_layers=get_peft_model_state_dict(
             wrapped), weight_name=name)
+        if save_format.endswith("+peft_model"):
+            keys = safetensors_keys((loras / name).read_bytes())
+            assert keys and all(k.startswith("text_encoder.base_model.model.") for k in keys)
     merged = {comfy_clip_key(n): w for n, w in merged_weights(wrapped).items()}
 
     _, report = map_file(read(loras / name), None, clip, reference=False)
     assert report.problems == [] and report.unused_keys == [] and len(report.applied) == 12 * len(targets)
     assert sorted(report.applied.values()) == sorted(merged)
+    if save_format.endswith("+peft_model"):
+        return  # the names are the point here: the same LoRA's maths is checked by the other cases (~30 s each)
 
     _m, patched = run_node(LycorisLoader, model=model, clip=clip, lycoris_name=name, strength_model=0.0,
                            strength_clip=1.0)
@@ -356,3 +364,52 @@ def test_sdxl_unet_diffusers_names_map_under_each_prefix():
     for prefix in ("", "unet.", "base_model.model.", "unet.base_model.model."):
         wrong = {prefix + n: key_map.get(prefix + n) for n, k in names.items() if key_map.get(prefix + n) != k}
         assert not wrong, f"{len(wrong)} unmapped or wrong, e.g. {next(iter(wrong.items()))}"
+
+
+# --- T5 (Flux's text_encoder_2, SD3's text_encoder_3) and PEFT's wrapper after a pipeline prefix --------------------
+
+T5_XXL = {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24, "vocab_size": 32128,
+          "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32}
+
+
+def _meta_clip(arch: str):
+    import comfy.text_encoders.flux
+    import comfy.text_encoders.sd3_clip
+
+    if arch == "flux":
+        return comfy.text_encoders.flux.FluxClipModel(device="meta", dtype=torch.float16)
+    return comfy.text_encoders.sd3_clip.SD3ClipModel(device="meta", dtype=torch.float16)
+
+
+@pytest.mark.parametrize("arch,pipe", [("flux", "text_encoder_2."), ("sd3", "text_encoder_3.")])
+def test_t5_names_map_to_comfy_t5(arch, pipe):
+    """transformers' T5EncoderModel (T5-XXL, on the meta device) names every weight the way PEFT and diffusers write
+    it under the pipeline's prefix; each maps to ComfyUI's T5 weight of the same shape. ComfyUI's own map has only
+    kohya names for T5 (`lora_te2_…` on Flux, `lora_te3_…` on SD3): the prefix is the pipeline's Nth encoder."""
+    from transformers import T5Config, T5EncoderModel
+
+    clip_model = _meta_clip(arch)
+    key_map = lora_key_map(clip_model, is_clip=True)
+    shapes = {k: tuple(v.shape) for k, v in clip_model.state_dict().items()}
+    with torch.device("meta"):
+        t5 = T5EncoderModel(T5Config(**T5_XXL))
+    names = {n: tuple(p.shape) for n, p in t5.named_parameters() if n.endswith(".weight") and "norm" not in n}
+    assert len(names) > 24 * 7  # q, k, v, o, wi_0, wi_1, wo in each block
+    for name, shape in names.items():
+        path = name[: -len(".weight")]
+        for prefix in (pipe, pipe + "base_model.model."):
+            key = key_map.get(prefix + path)
+            assert key == f"t5xxl.transformer.{name}" and shapes[key] == shape, (prefix + path, key)
+    assert not [k for k in key_map if k.startswith("base_model.model.")]  # two encoders: a bare PEFT name is ambiguous
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_clip_names_keep_their_encoder_next_to_t5(arch):
+    """Adding T5's prefix moves no CLIP name: text_encoder. stays CLIP-L (and SD3's text_encoder_2. CLIP-G)."""
+    clip_model = _meta_clip(arch)
+    key_map = lora_key_map(clip_model, is_clip=True)
+    q_proj = "text_model.encoder.layers.0.self_attn.q_proj"
+    assert key_map["text_encoder." + q_proj] == f"clip_l.transformer.{q_proj}.weight"
+    assert key_map["text_encoder.base_model.model." + q_proj] == f"clip_l.transformer.{q_proj}.weight"
+    if arch == "sd3":
+        assert key_map["text_encoder_2." + q_proj] == f"clip_g.transformer.{q_proj}.weight"
