@@ -20,8 +20,8 @@ from .algos import (
 from .errors import LycorisError
 from .keys import ALPHA, DORA_SCALE, PEFT_MAGNITUDE
 
-# Algorithms whose alpha is a scale alpha/r, as PEFT's LoRA, LoHa and LoKr configs define theirs.
-SCALED_BY_ALPHA = frozenset({"locon", "loha", "lokr"})
+# Algorithms whose alpha is a scale alpha/r, as PEFT's LoRA, LoHa and LoKr configs define theirs (and LoRA's bias).
+SCALED_BY_ALPHA = frozenset({"locon", "loha", "lokr", "peft-lora-bias"})
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,8 @@ def build_modules(prefix: str, group: dict[str, torch.Tensor], file: str | None 
                 assumed = "." in prefix
         # keys only needed to read the layout (IA3's on_input, LoKr's row_offset) are not needed to compute the patch
         compute_tensors = {k: t for k, t in tensors.items()
-                           if (k in algorithm.keys and k not in LAYOUT_ONLY_KEYS) or k == DORA_SCALE}
+                           if (k in algorithm.keys and k not in LAYOUT_ONLY_KEYS and k not in algorithm.layout_only)
+                           or k == DORA_SCALE}
         modules.append(Module(prefix, algorithm, layout, compute_tensors, module_alpha, per_output, assumed))
         used.update(tensors)
     if modules and modules[0].has_dora and modules[0].tensors[DORA_SCALE].ndim == 0:

@@ -128,6 +128,10 @@ ADAPTERS = {
     "lora-patterns": lambda targets=ADDITIVE_TARGETS: _lora(targets, lora_alpha=8,
                                                              rank_pattern={"proj_mlp": 2, "to_v": 6},
                                                              alpha_pattern={"to_k": 3, "ff.net.2": 12}),
+    # lora_B with a bias, which PEFT's merge adds to the layer's bias at the LoRA's scale. Not on norm_out.linear:
+    # nodes/apply.py's bias lookup fails on a converted target with no row offset (H3's report to the lead)
+    "lora-bias": lambda targets=TARGETS: _lora(targets, lora_bias=True, lora_alpha=8, rank_pattern={"to_v": 2},
+                                               alpha_pattern={"proj_mlp": 3}),
     "dora": lambda targets=TARGETS: _lora(targets, use_dora=True),
     "loha": lambda targets=ADDITIVE_TARGETS: peft.LoHaConfig(r=RANK, alpha=8, init_weights=False,
                                                              target_modules=targets),
@@ -145,8 +149,9 @@ ADAPTERS = {
 CASES = ([(kind, fmt) for kind in ("lora", "lora-patterns", "dora")
           for fmt in ("save_lora_weights", "save_lora_weights+metadata", "save_pretrained")
           if not (kind == "lora-patterns" and fmt == "save_lora_weights")]  # patterns live only in the config
+         + [("lora-bias", "save_lora_weights+metadata"), ("lora-bias", "save_pretrained")]
          + [(kind, "save_pretrained") for kind in ("loha", "lokr", "oft", "boft", "ia3")])
-ADDITIVE = {"lora", "lora-patterns", "loha", "lokr"}
+ADDITIVE = {"lora", "lora-patterns", "loha", "lokr"}  # also on the converted norm_out.linear
 WITHOUT_ALPHA = {("lora", "save_lora_weights"), ("dora", "save_lora_weights")}
 
 
@@ -244,6 +249,9 @@ def test_peft_file_on_flux_applies_fully_and_equal_to_peft_merge(kind, save_form
     top = {"transformer_blocks", "single_transformer_blocks", "proj_out"} | ({"norm_out"} if kind in ADDITIVE else set())
     assert {n.split(".")[0] for n in weights} == top
     assert any(not isinstance(to_comfy[n], str) for n in weights)  # row slices of qkv / linear1 among them
+    biases = {n: v for n, v in merged.items() if n.endswith(".bias")}
+    assert bool(biases) == (kind in ("lora-bias", "ia3"))  # PEFT's merge changes these biases
+    checked = weights if kind == "ia3" else merged  # (IA)³'s bias: the last tests
     name = put(loras, written)
 
     _, report = map_file(read(loras / name), patcher, None, reference=False)
@@ -252,9 +260,8 @@ def test_peft_file_on_flux_applies_fully_and_equal_to_peft_merge(kind, save_form
         assert len(report.warnings) == 1 and "assumed alpha = rank" in report.warnings[0]
     else:
         assert report.warnings == []
-    assert sorted(v for v in report.applied.values() if v.endswith(".weight")) == sorted(
-        comfy_key(to_comfy[n]) for n in weights)
-    check_node_result(patcher, name, weights, to_comfy)
+    assert sorted(report.applied.values()) == sorted(comfy_key(to_comfy[n]) for n in checked)
+    check_node_result(patcher, name, checked, to_comfy)
 
 
 def check_node_result(patcher, name: str, merged: dict, to_comfy: dict) -> None:

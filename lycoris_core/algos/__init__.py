@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from . import boft, full, glora, ia3, kohya_oft, locon, loha, lokr, oft, peft_boft, peft_ia3, peft_oft
+from . import boft, full, glora, ia3, kohya_oft, locon, loha, lokr, oft, peft_boft, peft_ia3, peft_lora_bias, peft_oft
 from .base import Algorithm, Layout, ShapeError, Tensors
 
 WEIGHT_ALGORITHMS: tuple[Algorithm, ...] = (
@@ -29,7 +29,7 @@ WEIGHT_ALGORITHMS: tuple[Algorithm, ...] = (
     peft_boft.ALGORITHM,
     peft_ia3.ALGORITHM,
 )
-BIAS_ALGORITHMS: tuple[Algorithm, ...] = (full.FULL_BIAS, full.NORM_BIAS)
+BIAS_ALGORITHMS: tuple[Algorithm, ...] = (full.FULL_BIAS, full.NORM_BIAS, peft_lora_bias.ALGORITHM)
 BY_NAME: dict[str, Algorithm] = {a.name: a for a in WEIGHT_ALGORITHMS + BIAS_ALGORITHMS}
 # Keys an algorithm reads into its layout and never again: the patch does not need them.
 LAYOUT_ONLY_KEYS: frozenset[str] = frozenset({lokr.ROW_OFFSET, *peft_oft.OPTION_KEYS, *peft_ia3.OPTION_KEYS})

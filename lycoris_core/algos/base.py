@@ -72,6 +72,7 @@ class Algorithm:
     param: str = "weight"  # which parameter of the target layer it patches
     supports_dora: bool = False
     uses_alpha: bool = True
+    layout_only: tuple[str, ...] = ()  # keys read for the layout only (beyond LAYOUT_ONLY_KEYS): not passed to patches
 
     def matches(self, t: Tensors) -> bool:
         found = [t[m] for m in self.markers if m in t]
