@@ -401,6 +401,7 @@ def test_gguf_table(qtype, mode, algo_id, gguf_models, reference, loras):
 
 
 def _op(layer, x, weight, bias=None):
+    """The layer's op (Linear, or its conv geometry) with the given parameters."""
     if isinstance(layer, torch.nn.Linear):
         return F.linear(x, weight, bias)
     return F.conv2d(x, weight, bias, layer.stride, layer.padding)
@@ -446,6 +447,59 @@ def test_report_measures_the_decoded_weight(gguf_models, reference, loras):
     blocks = {b["name"]: b for b in data["blocks"]}
     block = blocks["time_embed.0"]
     assert block["modules"] == 1 and block["change"] == pytest.approx(want, rel=1e-5)
+
+
+# -------------------------------------------------------------------------------------------------- chains
+
+def _locon_delta(ref: ReferenceFile, path: str, shape) -> torch.Tensor:
+    """ΔW of a LoCon module from the file alone, in float64: up·down·α/r."""
+    sd = load_file(ref.path)
+    prefix = "lora_unet_" + path.replace(".", "_")
+    up, down = sd[f"{prefix}.lora_up.weight"].double(), sd[f"{prefix}.lora_down.weight"].double()
+    return (up.flatten(1) @ down.flatten(1) * float(sd[f"{prefix}.alpha"]) / down.shape[0]).reshape(shape)
+
+
+@torch.no_grad()
+def chained_truth(first: ReferenceFile, second: ReferenceFile, model) -> dict:
+    """{path: (x, y_base, y)}: LoCon `first`, then the DoRA file `second` on W + 0.5·ΔW₁ (the reference network on
+    copies holding that weight), both at linear strength 0.5, as chained merges define it."""
+    root, copies = _root(model, F64)
+    bases, after_first = {}, {}
+    for path, copy in copies.items():
+        bases[path] = copy.weight.detach().clone()
+        copy.weight.data += STRENGTH * _locon_delta(first, path, copy.weight.shape)
+        after_first[path] = copy.weight.detach().clone()
+    net = _network(second.algo_id, root, list(copies))
+    _load_snapshot(net, second.snapshot)
+    net.apply_to()
+    out = {}
+    for i, (path, copy) in enumerate(copies.items()):
+        x = probe(copy, 2000 + i)
+        bias = None if copy.bias is None else copy.bias.detach()
+        y_base, y_first = _op(copy, x, bases[path], bias), _op(copy, x, after_first[path], bias)
+        out[path] = (x, y_base, y_first + STRENGTH * (copy(x) - y_first))
+    return out
+
+
+@pytest.mark.parametrize("first,second", [("merge", "bypass"), ("bypass", "merge"), ("bypass", "bypass"),
+                                          ("merge", "merge"), ("auto", "auto")])
+@torch.no_grad()
+def test_a_file_that_reads_w_sees_the_file_before_it(first, second, gguf_models, reference, loras):
+    """LoCon, then LoCon+DoRA (whose change reads W) on Q4_0 through two loader nodes: the DoRA file sees W plus the
+    LoCon change, whether that change is attached to the GGUF weight (the pack's cast applies it when DoRA reads W)
+    or runs in the forward (then DoRA runs after it in the forward, also when its own node says merge)."""
+    model = gguf_models["Q4_0"]
+    locon, dora = reference("locon"), reference("locon_dora")
+    after_first, _ = run_loader(model, install(locon, loras), first, uid="71")
+    chained, data = run_loader(after_first, install(dora, loras), second, uid="72")
+    assert data["applied"] == data["total"]
+    truths = chained_truth(locon, dora, model)
+    comfy.model_management.load_models_gpu([chained])
+    for path, layer in layers_of(model).items():
+        x, y_base, want = truths[path]
+        error, change = float((layer(x.float()).double() - want).norm()), float((want - y_base).norm())
+        allowed = TOLERANCE * change + FP32_FLOOR * float(y_base.norm())
+        assert error <= allowed, f"{first}->{second} {path}: off by {error / change:.2e} of the change"
 
 
 # --------------------------------------------------------------------------------------------- end to end
