@@ -57,6 +57,26 @@ PREFIX_RENAMES: dict[str, tuple[str, dict[str, str]]] = {
     "oft_unet_": ("lora_unet_", {"oft_blocks": KOHYA_OFT_BLOCKS}),
 }
 
+# OneTrainer's OMI format (`enable_omi_format`; Nerogar/OneTrainer modules/util/convert/lora/convert_*_lora.py key sets,
+# applied by convert_to_omi) names each module by its path in the original checkpoint (the paths ComfyUI's models
+# use) under one prefix per component. Those paths are what ComfyUI's own generic key-map entries list, under
+# `diffusion_model.` and `text_encoders.<encoder>.transformer.`, so the prefix is all that needs reading differently.
+# `unet.` and `transformer.` are diffusers' prefixes too: the original layout's top-level modules tell OMI names apart.
+OMI_DIFFUSION_MODEL_TOPS = {
+    "unet.": ("input_blocks.", "middle_block.", "output_blocks.", "time_embed.", "label_emb.", "out."),  # SD1.5/SDXL
+    "transformer.": ("double_blocks.", "single_blocks.", "img_in", "txt_in", "time_in.", "vector_in.",  # Flux
+                     "guidance_in.", "final_layer."),
+}
+OMI_TEXT_ENCODERS = {  # OMI component -> ComfyUI's encoder, and the encoder's top-level modules as OMI writes them
+    "clip_l.": ("clip_l", ("text_model.", "text_projection.")),
+    "clip_g.": ("clip_g", ("text_model.", "text_projection.")),
+    "t5.": ("t5xxl", ("encoder.",)),
+}
+PREFIX_RENAMES.update({component + top: ("diffusion_model." + top, {})
+                       for component, tops in OMI_DIFFUSION_MODEL_TOPS.items() for top in tops})
+PREFIX_RENAMES.update({component + top: (f"text_encoders.{encoder}.transformer.{top}", {})
+                       for component, (encoder, tops) in OMI_TEXT_ENCODERS.items() for top in tops})
+
 
 def _renamed(prefix: str, suffix: str) -> tuple[str, str]:
     for written, (read_as, suffixes) in PREFIX_RENAMES.items():

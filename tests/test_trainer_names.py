@@ -5,22 +5,27 @@ Each fixture is a small state dict with the exact names one trainer's saver writ
 its CLIP), and SDXL, Flux and Wan models ComfyUI builds on the meta device. Each must land on the right weight
 (and, for Flux's fused qkv, the right rows), or the test records why it does not.
 
-Not covered: OneTrainer's OMI format (`enable_omi_format`), ai-toolkit's SD1.5/SDXL/Flux.1 savers (not read), SDXL
-text encoders (no CLIP-G here); OneTrainer writes no Wan LoRA.
+The text encoders of SDXL (CLIP-L, CLIP-G) and Flux (CLIP-L, T5-XXL) are ComfyUI's own classes on the meta device too.
+OneTrainer writes no Wan LoRA.
 """
 
 import dataclasses
 
+import comfy.sdxl_clip
 import comfy.supported_models as supported
+import comfy.text_encoders.flux
 import pytest
 import test_nodes
 import torch
 from comfy.ldm.flux.model import FluxParams
 from lycoris_nodes.lycoris_core import parse_state_dict
+from lycoris_nodes.lycoris_core.keys import split_key
 from lycoris_nodes.nodes.apply import build_patches, lora_key_map, map_file, model_shapes
 
 sd15 = test_nodes.sd15  # fixture
 
+OMI_IMG_IN = ("OneTrainer's Flux OMI key set writes x_embedder as `img_in.proj`, a module BFL's Flux (and ComfyUI's) does "
+              "not have: its img_in is one Linear, `img_in.weight`")
 NO_WAN_CONVERTER = ("diffusers' Wan names (blocks.N.attn1.to_q, ffn.net.0.proj) have no converter in ComfyUI "
                     "(comfy.utils has none for Wan and model_lora_keys_unet no Wan branch), and the issue rules out "
                     "hand-written name tables")
@@ -41,6 +46,7 @@ WAN_CONFIG = {"image_model": "wan2.1", "model_type": "t2v", "dim": 64, "ffn_dim"
 if "txt_ids_dims" in {f.name for f in dataclasses.fields(FluxParams)}:
     FLUX_CONFIG["txt_ids_dims"] = []  # 0.33's Flux also takes the text position-id layout; 0.3.75's has no such field
 HIDDEN = FLUX_CONFIG["hidden_size"]
+MLP = int(HIDDEN * FLUX_CONFIG["mlp_ratio"])
 
 LORA = ("lora_down.weight", "lora_up.weight")  # kohya / LyCORIS / OneTrainer legacy
 PEFT = ("lora_A.weight", "lora_B.weight")  # diffusers / PEFT / ai-toolkit
@@ -53,12 +59,25 @@ FLUX_LINEAR1 = "diffusion_model.single_blocks.0.linear1.weight"
 WAN_Q = "diffusion_model.blocks.0.self_attn.q.weight"
 WAN_FFN0 = "diffusion_model.blocks.0.ffn.0.weight"
 FLUX_Q_ROWS = (0, 0, HIDDEN)  # to_q is the first third of the fused qkv (and the first part of linear1)
+FLUX_MLP_ROWS = (0, 3 * HIDDEN, MLP)  # linear1 is q, k, v, then the MLP's input projection
+SDXL_TE1_Q = "clip_l.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight"
+SDXL_TE2_Q = "clip_g.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight"
+FLUX_T5_Q = "t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight"
 
 # (trainer, architecture, module name as written, suffixes, target weight, rows or None, source of the name style)
 ONETRAINER = "Nerogar/OneTrainer modules/modelSaver/mixin/LoRASaverMixin.py (convert_to_legacy_diffusers)"
 SIMPLETUNER_PEFT = "bghira/SimpleTuner helpers/training/save_hooks.py _save_lora (diffusers save_lora_weights)"
 SIMPLETUNER_LYCORIS = "bghira/SimpleTuner helpers/training/save_hooks.py _save_lycoris (LyCORIS wrapper, lycoris_)"
 AI_TOOLKIT_WAN = "ostris/ai-toolkit Wan 2.1 model: convert_lora_weights_before_save = convert_to_original"
+# OneTrainer's OMI format (enable_omi_format): LoRASaverMixin.__save_safetensors calls convert_to_omi
+# (modules/util/convert/lora/convert_lora_util.py: a key set's omi_prefix replaces its diffusers_prefix, the rest of
+# the key is kept), with the key sets of modules/util/convert/lora/convert_sd_lora.py (convert_sd_lora_key_sets:
+# "unet" <-> "lora_unet", "clip_l" <-> "lora_te"; __map_unet_down_blocks "1.1" <-> "0.attentions.0"),
+# convert_sdxl_lora.py ("clip_l"/"clip_g" <-> "lora_te1"/"lora_te2"; "label_emb.0.0" <-> "add_embedding.linear_1"),
+# convert_flux_lora.py (__map_transformer "transformer" <-> "lora_transformer", "img_in.proj" <-> "x_embedder";
+# __map_double_transformer_block "img_attn.qkv.0" <-> "attn.to_q", "img_attn.proj" <-> "attn.to_out.0";
+# __map_single_transformer_block "linear1.3" <-> "proj_mlp", "linear2" <-> "proj_out"; map_clip, map_t5).
+OT_OMI = "Nerogar/OneTrainer modules/util/convert/lora/convert_{sd,sdxl,flux}_lora.py key sets (convert_to_omi)"
 MUSUBI = "kohya-ss/musubi-tuner networks/lora_wan.py, lora.py (prefix lora_unet, the model's own module names)"
 SD_SCRIPTS = "kohya-ss/sd-scripts networks/lora.py (lora_unet_, SDXL U-Net in its original names)"
 
@@ -93,18 +112,52 @@ NAMES = [
     ("musubi-tuner", "wan", "lora_unet_blocks_0_ffn_0", LORA, WAN_FFN0, None, MUSUBI),
     ("SimpleTuner", "wan", "transformer.blocks.0.attn1.to_q", PEFT, WAN_Q, None, SIMPLETUNER_PEFT),
     ("SimpleTuner", "wan", "lycoris_blocks_0_attn1_to_q", LORA, WAN_Q, None, SIMPLETUNER_LYCORIS),
+    ("OneTrainer OMI", "sd15", "unet.input_blocks.1.1.transformer_blocks.0.attn1.to_q", LORA, SD15_TO_Q, None, OT_OMI),
+    ("OneTrainer OMI", "sd15", "unet.time_embed.0", LORA, "diffusion_model.time_embed.0.weight", None, OT_OMI),
+    ("OneTrainer OMI", "sd15", "unet.output_blocks.1.1.transformer_blocks.0.ff.net.2", LORA,
+     "diffusion_model.output_blocks.1.1.transformer_blocks.0.ff.net.2.weight", None, OT_OMI),
+    ("OneTrainer OMI", "sd15", "clip_l.text_model.encoder.layers.0.self_attn.q_proj", LORA, SD15_TE_Q, None, OT_OMI),
+    ("OneTrainer OMI", "sdxl", "unet.input_blocks.4.1.transformer_blocks.0.attn1.to_q", LORA, SDXL_TO_Q, None, OT_OMI),
+    ("OneTrainer OMI", "sdxl", "unet.label_emb.0.0", LORA, "diffusion_model.label_emb.0.0.weight", None, OT_OMI),
+    ("OneTrainer OMI", "sdxl", "unet.middle_block.1.transformer_blocks.0.ff.net.2", LORA,
+     "diffusion_model.middle_block.1.transformer_blocks.0.ff.net.2.weight", None, OT_OMI),
+    ("OneTrainer OMI", "sdxl_clip", "clip_l.text_model.encoder.layers.0.self_attn.q_proj", LORA, SDXL_TE1_Q, None,
+     OT_OMI),
+    ("OneTrainer OMI", "sdxl_clip", "clip_g.text_model.encoder.layers.0.self_attn.q_proj", LORA, SDXL_TE2_Q, None,
+     OT_OMI),
+    ("OneTrainer OMI", "flux", "transformer.double_blocks.0.img_attn.proj", LORA,
+     "diffusion_model.double_blocks.0.img_attn.proj.weight", None, OT_OMI),
+    ("OneTrainer OMI", "flux", "transformer.double_blocks.1.txt_mod.lin", LORA,
+     "diffusion_model.double_blocks.1.txt_mod.lin.weight", None, OT_OMI),
+    ("OneTrainer OMI", "flux", "transformer.single_blocks.0.linear2", LORA,
+     "diffusion_model.single_blocks.0.linear2.weight", None, OT_OMI),
+    ("OneTrainer OMI", "flux", "transformer.final_layer.adaLN_modulation.1", LORA,  # chunks swapped back to BFL order
+     "diffusion_model.final_layer.adaLN_modulation.1.weight", None, OT_OMI),
+    ("OneTrainer OMI", "flux", "transformer.txt_in", LORA, "diffusion_model.txt_in.weight", None, OT_OMI),
+    ("OneTrainer OMI", "flux", "transformer.double_blocks.0.img_attn.qkv.0", LORA, FLUX_QKV, FLUX_Q_ROWS, OT_OMI),
+    ("OneTrainer OMI", "flux", "transformer.single_blocks.0.linear1.3", LORA, FLUX_LINEAR1, FLUX_MLP_ROWS, OT_OMI),
+    ("OneTrainer OMI", "flux", "transformer.img_in.proj", LORA, "diffusion_model.img_in.weight", None, OT_OMI),
+    ("OneTrainer OMI", "flux_clip", "clip_l.text_model.encoder.layers.0.self_attn.q_proj", LORA, SDXL_TE1_Q, None,
+     OT_OMI),
+    ("OneTrainer OMI", "flux_clip", "t5.encoder.block.0.layer.0.SelfAttention.q", LORA, FLUX_T5_Q, None, OT_OMI),
 ]
 EXPECTED_MISSES = {  # (architecture, module name) -> why it does not map
     ("wan", "transformer.blocks.0.attn1.to_q"): NO_WAN_CONVERTER,
     ("wan", "lycoris_blocks_0_attn1_to_q"): NO_WAN_CONVERTER,
+    ("flux", "transformer.img_in.proj"): OMI_IMG_IN,
 }
+# OMI names one part of a fused weight `<fused>.<i>` (Flux's qkv in thirds, linear1 as q, k, v, MLP). ComfyUI's own
+# flux_to_diffusers gives the rows of each part (its diffusers entries to_q, to_k, to_v, proj_mlp), but our key map
+# (nodes/keymap.py) does not yet list those parts by index; until it does, these modules are reported unmatched.
+PENDING_FUSED_PARTS = "nodes/keymap.py does not yet name the parts of a fused weight by index (<fused>.<i>)"
+PENDING = {("flux", "transformer.double_blocks.0.img_attn.qkv.0"), ("flux", "transformer.single_blocks.0.linear1.3")}
 
 
 def _params() -> list:
     params = []
     for entry in NAMES:
         trainer, arch, name = entry[:3]
-        reason = EXPECTED_MISSES.get((arch, name))
+        reason = EXPECTED_MISSES.get((arch, name)) or ((arch, name) in PENDING and PENDING_FUSED_PARTS)
         marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
         params.append(pytest.param(*entry, id=f"{trainer}-{arch}-{name}", marks=marks))
     return params
@@ -115,7 +168,10 @@ def meta_models():
     """ComfyUI's own model classes, on the meta device: the key map and shapes a real checkpoint would give."""
     configs = {"sdxl": (supported.SDXL, SDXL_CONFIG), "flux": (supported.Flux, FLUX_CONFIG),
                "wan": (supported.WAN21_T2V, WAN_CONFIG)}
-    return {arch: cls(dict(config)).get_model({}, "", device="meta") for arch, (cls, config) in configs.items()}
+    models = {arch: cls(dict(config)).get_model({}, "", device="meta") for arch, (cls, config) in configs.items()}
+    models["sdxl_clip"] = comfy.sdxl_clip.SDXLClipModel(device="meta", dtype=torch.float16)
+    models["flux_clip"] = comfy.text_encoders.flux.FluxClipModel(device="meta", dtype=torch.float16)
+    return models
 
 
 def _module(name: str, suffixes: tuple[str, str], out: int, inner: tuple[int, ...], rank: int = 2):
@@ -139,7 +195,8 @@ def _report(arch, name, suffixes, target, rows, sd15, meta_models):
     if arch == "sd15":
         return map_file(lfile, sd15[0], sd15[1], reference=False)[1]
     model = meta_models[arch]
-    return build_patches(lfile, lora_key_map(model, is_clip=False), {"model": model_shapes(model)}, False)[1]
+    side = "clip" if arch.endswith("_clip") else "model"
+    return build_patches(lfile, lora_key_map(model, is_clip=side == "clip"), {side: model_shapes(model)}, False)[1]
 
 
 @pytest.mark.parametrize("trainer,arch,name,suffixes,target,rows,source", _params())
@@ -157,5 +214,6 @@ def test_names_that_do_not_map_are_reported_with_the_reason(arch, name, sd15, me
     entry = next(e for e in NAMES if e[1] == arch and e[2] == name)
     report = _report(arch, name, entry[3], entry[4], entry[5], sd15, meta_models)
     assert report.applied == {}
+    read_as = split_key(f"{name}.{entry[3][0]}")[0]  # the module as the report names it (OMI: read as ComfyUI's)
     assert [(key.rsplit(".", 1)[0], reason.split(";")[0]) for key, reason in report.problems] == \
-        [(name, "no weight of this model has this name")]
+        [(read_as, "no weight of this model has this name")]
