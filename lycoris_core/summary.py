@@ -16,8 +16,9 @@ import torch
 from .algos.base import ShapeError
 from .errors import LycorisError
 from .keys import ALPHA, DORA_SCALE
-from .lycoris_file import group_keys
+from .lycoris_file import assumed_scale_warning, group_keys
 from .module import Module, build_modules
+from .peft_config import PATTERN_KEYS, PeftConfig, module_name, module_options, read_config
 from .safetensors_file import SafetensorsFile
 
 SCALAR_SUFFIXES = (ALPHA, "on_input", "row_offset")  # read for real: the layout needs their values
@@ -51,11 +52,12 @@ class ModuleSummary:
     key: str
     algorithm: str
     rank: int | None
-    alpha: float | None
+    alpha: float | None  # the alpha the loader uses: the file's, else its PEFT config's; None when none gives one
     params: int
     conv: bool
     dora_axis: str | None = None
     tucker: bool = False
+    scale: float | None = None  # what the loader multiplies the change by: alpha / rank (rsLoRA: alpha / √rank)
 
 
 @dataclass
@@ -79,6 +81,8 @@ class FileSummary:
     metadata_count: int
     unused_keys: int
     made_by: dict[str, str | None] = field(default_factory=dict)  # trainer, format, evidence, line (see made_by)
+    alpha_from: dict = field(default_factory=dict)  # source, rslora, patterns, line (see _alpha_from)
+    warnings: list[str] = field(default_factory=list)  # what the loader assumes where the file says nothing
     modules: list[ModuleSummary] = field(default_factory=list, repr=False)
 
     def to_json(self, with_modules: bool = False) -> dict:
@@ -99,6 +103,8 @@ class FileSummary:
             (f"tensors: {', '.join(f'{d} ×{n}' for d, n in self.dtypes.items())}; {self.params:,} parameters; "
              f"{self.size_bytes / 2**20:.1f} MiB"),
         ]
+        if self.alpha_from.get("line"):
+            lines.append(self.alpha_from["line"])
         if self.made_by:
             lines.append(self.made_by["line"])
         if self.conv_rank:
@@ -108,6 +114,7 @@ class FileSummary:
         if self.trigger_words:
             lines.append("trigger words: " + ", ".join(self.trigger_words))
         lines += [f"{label}: {value}" for label, value in self.training.items()]
+        lines += [f"warning: {warning}" for warning in self.warnings]
         return "\n".join(lines)
 
 
@@ -130,10 +137,10 @@ def _shape_only(reader: SafetensorsFile) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _module_summary(key: str, module: Module) -> ModuleSummary:
+def _module_summary(key: str, module: Module, alpha: float | None) -> ModuleSummary:
     tensors = module.tensors
     return ModuleSummary(
-        key=key, algorithm=module.label, rank=module.layout.rank, alpha=module.alpha,
+        key=key, algorithm=module.label, rank=module.layout.rank, alpha=alpha, scale=module.layout.scale,
         params=sum(t.numel() for t in tensors.values()),
         conv=any(t.ndim > 2 for name, t in tensors.items() if name != DORA_SCALE),
         dora_axis="out" if module.dora_per_output else _dora_axis(tensors.get(DORA_SCALE)),  # PEFT: per output
@@ -285,15 +292,41 @@ def made_by(keys: list[str], metadata: dict[str, str]) -> dict[str, str | None]:
     return {"trainer": trainer, "format": style, "evidence": evidence, "line": line}
 
 
+def _alpha_used(module: Module, options: dict, in_file: bool) -> float | None:
+    """The file's alpha, else the one the PEFT config gives this module (for rsLoRA its lora_alpha as written, not
+    the alpha·√rank that Module.alpha holds so that alpha / rank is the scale)."""
+    if in_file or module.alpha is None:
+        return module.alpha
+    return float(options.get("lora_alpha", options.get("alpha")))
+
+
+def _alpha_from(config: PeftConfig | None, sources: Counter) -> dict:
+    """Where the modules' alphas come from (`sources` counts "file", "config" and "assumed"), and the summary line
+    for a PEFT config: the loader's scale rests on it, so the inspector says which one and what it holds."""
+    if not sources["config"]:
+        return {"source": "file" if sources["file"] else None, "rslora": False, "patterns": [], "line": None}
+    components = config.components.values()
+    rslora = any(c.get("use_rslora") for c in components)
+    patterns = [key for key in PATTERN_KEYS if any(c.get(key) for c in components)]
+    line = (f"alpha from the PEFT config in {config.source} ({sources['config']} modules"
+            + "".join(f", {key} of {max(len(c.get(key) or {}) for c in components)}" for key in patterns)
+            + (", rsLoRA: scale = alpha/√rank" if rslora else "") + ")")
+    return {"source": config.source, "rslora": rslora, "patterns": patterns, "line": line}
+
+
 def summarize(path) -> FileSummary:
     reader = SafetensorsFile(path)
+    config = read_config(path, reader.metadata)  # the loader's own source of a PEFT file's alpha
     groups, unknown = group_keys(_shape_only(reader), reader.name)
     modules: list[ModuleSummary] = []
     in_features: dict[str, int | None] = {}
+    alpha_sources: Counter = Counter()
+    assumed: list[Module] = []
     unused = len(unknown)
     for prefix, group in groups.items():
+        options = module_options(config, prefix)
         try:
-            built, leftover = build_modules(prefix, group, reader.name)
+            built, leftover = build_modules(prefix, group, reader.name, options, module_name(config, prefix))
         except (LycorisError, ShapeError):
             unused += len(group)  # a damaged module: loading reports it in full
             continue
@@ -301,8 +334,11 @@ def summarize(path) -> FileSummary:
             unused += len(group)  # a NaN/Inf alpha is damage: loading refuses it, the summary leaves it out
             continue
         unused += len(leftover)
-        modules += [_module_summary(f"{prefix}.{m.param}", m) for m in built]
+        modules += [_module_summary(f"{prefix}.{m.param}", m, _alpha_used(m, options, ALPHA in group)) for m in built]
         in_features[prefix] = built[0].layout.flat_in if built else None
+        assumed += [m for m in built if m.scale_assumed]
+        alpha_sources.update("file" if ALPHA in group else "assumed" if m.scale_assumed else "config"
+                             for m in built if m.alpha is not None or m.scale_assumed)
     meta = reader.metadata
     try:
         lycoris_config = json.loads(meta["lycoris_config"]) if "lycoris_config" in meta else None
@@ -324,7 +360,8 @@ def summarize(path) -> FileSummary:
         title=meta.get("modelspec.title") or meta.get("ss_output_name") or None,
         training={label: meta[key] for key, label in TRAINING_KEYS.items() if meta.get(key)},
         lycoris_config=lycoris_config, metadata_count=len(meta), unused_keys=unused,
-        made_by=made_by(list(reader.entries), meta), modules=modules,
+        made_by=made_by(list(reader.entries), meta), alpha_from=_alpha_from(config, alpha_sources),
+        warnings=[assumed_scale_warning(reader.name, assumed)] if assumed else [], modules=modules,
     )
 
 

@@ -5,6 +5,7 @@ diffusers' save_lora_weights); for trainers that are not installable (OneTrainer
 sd-scripts) the metadata is what their savers write, as read in their source (cited at each fixture).
 """
 
+import copy
 import json
 
 import pytest
@@ -96,6 +97,7 @@ def test_diffusers_save_lora_weights(tmp_path, with_config):
 # --- metadata as each trainer's saver writes it ------------------------------------------------------------------
 
 KOHYA_SD15 = _lora("lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q")
+KOHYA_ALPHA = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.alpha"
 CASES = {
     # Nerogar/OneTrainer modules/modelSaver/BaseModelSaver.py _create_safetensors_header: modelspec + ot_branch,
     # ot_revision (+ ot_config) + ss_base_model_version for SDXL: ss_ keys, yet not sd-scripts
@@ -143,3 +145,86 @@ def test_trainer_from_metadata(tmp_path, case):
 def test_software_field_of_another_tool_is_not_ai_toolkit(tmp_path):
     made = _made_by(_write(tmp_path, "x.safetensors", KOHYA_SD15, {"software": json.dumps({"name": "other"})}))
     assert made["trainer"] is None
+
+
+# --- the alpha the loader uses, for PEFT/diffusers files ---------------------------------------------------------------
+# PEFT state dicts carry no alpha: the loader takes it from diffusers' lora_adapter_metadata, else from the
+# adapter_config.json PEFT's save_pretrained writes beside the file, else assumes alpha = rank with a warning. The
+# summary must show the same. Truth: PEFT's own per-layer r, lora_alpha and scaling of the adapted layers.
+
+PATTERNS = {"r": 4, "lora_alpha": 6, "rank_pattern": {"c3": 2, "^lin": 3}, "alpha_pattern": {"c.*n": 13, "c1": 1}}
+RSLORA = {"r": 4, "lora_alpha": 7, "use_rslora": True}
+
+
+def _peft_truth(model) -> dict[str, tuple[int, float, float]]:
+    """layer name -> (r, lora_alpha, scaling) as PEFT itself holds them."""
+    from test_peft_scale import LAYERS
+
+    return {name: (layer.r["default"], layer.lora_alpha["default"], layer.scaling["default"])
+            for name in LAYERS if hasattr(layer := getattr(model, name), "scaling")}
+
+
+def _summary_modules(summary) -> dict[str, tuple[int, float, float]]:
+    """layer name -> (rank, alpha, scale) as the summary shows them."""
+    return {m.key.rsplit(".", 2)[-2]: (m.rank, m.alpha, m.scale) for m in summary.modules}
+
+
+def _assert_summary_is_peft_s(summary, truth):
+    got = _summary_modules(summary)
+    assert sorted(got) == sorted(truth)
+    for name, (r, alpha, scaling) in truth.items():
+        assert got[name] == (r, pytest.approx(alpha), pytest.approx(scaling)), name
+
+
+@pytest.mark.parametrize("options", [PATTERNS, RSLORA], ids=["patterns", "rslora"])
+def test_summary_alpha_from_lora_adapter_metadata(tmp_path, options):
+    from test_peft_scale import adapted, lora, save_diffusers
+
+    config = lora(**options)
+    model, _base = adapted(config)
+    summary = summarize(save_diffusers(tmp_path, model, config))
+    _assert_summary_is_peft_s(summary, _peft_truth(model))
+    assert summary.alpha == {"min": min(a for _r, a, _s in _peft_truth(model).values()),
+                             "max": max(a for _r, a, _s in _peft_truth(model).values())}
+    assert summary.alpha_from["source"] == "lora_adapter_metadata"
+    assert summary.warnings == []
+    line = summary.alpha_from["line"]
+    assert line in summary.text() and "lora_adapter_metadata" in line
+    if options is RSLORA:
+        assert summary.alpha_from["rslora"] and "rsLoRA" in line
+    else:
+        assert summary.alpha_from["patterns"] == ["rank_pattern", "alpha_pattern"] and "alpha_pattern" in line
+    assert json.loads(json.dumps(summary.to_json()))["alpha_from"] == summary.alpha_from  # the panel's data
+
+
+def test_summary_alpha_from_adapter_config_json(tmp_path):
+    from peft import get_peft_model
+    from test_peft_scale import Net, lora, save_pretrained
+
+    config = lora(**PATTERNS)
+    path, _base, _changes = save_pretrained(tmp_path, config)
+    model = get_peft_model(Net(), copy.deepcopy(config)).base_model.model  # r, alpha and scaling need no weights
+    summary = summarize(path)
+    _assert_summary_is_peft_s(summary, _peft_truth(model))
+    assert summary.alpha_from["source"] == str(tmp_path / "adapter_config.json")
+    assert summary.warnings == []
+
+
+def test_summary_without_any_alpha_warns_like_the_loader(tmp_path):
+    from test_peft_scale import adapted, lora, save_diffusers
+    from lycoris_nodes.lycoris_core import load
+
+    model, _base = adapted(lora(**PATTERNS))
+    path = save_diffusers(tmp_path, model)  # no config anywhere: diffusers loads it with alpha = rank
+    summary = summarize(path)
+    ranks = {name: r for name, (r, _a, _s) in _peft_truth(model).items()}
+    assert _summary_modules(summary) == {name: (r, None, 1.0) for name, r in ranks.items()}
+    assert summary.alpha is None and summary.alpha_from["source"] is None
+    assert summary.warnings == load(path).warnings and len(summary.warnings) == 1
+    assert "assumed alpha = rank" in summary.warnings[0] and summary.warnings[0] in summary.text()
+
+
+def test_kohya_file_alpha_is_from_the_file(tmp_path):
+    summary = summarize(_write(tmp_path, "k.safetensors", {**KOHYA_SD15, KOHYA_ALPHA: torch.tensor(2.0)}))
+    assert [(m.rank, m.alpha, m.scale) for m in summary.modules] == [(4, 2.0, 0.5)]
+    assert summary.alpha_from["source"] == "file" and summary.warnings == []
