@@ -449,6 +449,30 @@ def test_report_measures_the_decoded_weight(gguf_models, reference, loras):
     assert block["modules"] == 1 and block["change"] == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.parametrize("algo_id", ["locon", "locon_dora", "glora"])
+@pytest.mark.parametrize("mode", MODES)
+@torch.no_grad()
+def test_gguf_offloaded(mode, algo_id, gguf_models, reference, loras):
+    """The same on Q4_0 loaded in low-VRAM mode (every layer offloaded: ComfyUI's per-forward cast path; the pack
+    still attaches merged patches to its weights)."""
+    model = gguf_models["Q4_0"]
+    ref = reference(algo_id)
+    patched, data = run_loader(model, install(ref, loras), mode)
+    assert data["applied"] == data["total"]
+    truths = truth(ref, model, "Q4_0")
+    patched.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1)
+    try:
+        assert patched.model.model_lowvram
+        for path, layer in layers_of(model).items():
+            x, y_base, y_ref = truths[path]
+            want = y_base + STRENGTH * (y_ref - y_base)
+            error, change = float((layer(x.float()).double() - want).norm()), float((want - y_base).norm())
+            allowed = TOLERANCE * change + FP32_FLOOR * float(y_base.norm())
+            assert error <= allowed, f"offloaded {mode} {algo_id} {path}: off by {error / change:.2e} of the change"
+    finally:
+        patched.unpatch_model(torch.device("cpu"))
+
+
 # -------------------------------------------------------------------------------------------------- chains
 
 def _locon_delta(ref: ReferenceFile, path: str, shape) -> torch.Tensor:
