@@ -232,7 +232,7 @@ def test_oft_options_missing_from_the_file_are_listed():
     _, state, _ = make_adapter("oft-neumann-default")
     module = parse_state_dict(state, "bare").modules[f"{PREFIX}lin.weight"]
     assert set(module.layout.assumed) == {"use_cayley_neumann=True", "num_cayley_neumann_terms=5", "coft=False",
-                                          "eps=6e-05"}
+                                          "eps=6e-05", "series_before_0_18=False"}
     told = parse_state_dict(_with_options(state, "oft-neumann-default"), "told").modules[f"{PREFIX}lin.weight"]
     assert told.layout.assumed == ()
 
@@ -323,3 +323,40 @@ def test_comfy_patcher_full_and_offloaded_load(variant_id, strength):
         error = _relative_error(seen - weight, strength * change)
         assert error <= TOLERANCE, f"offloaded, {name}: {error:.2e} of the change"
     mp.unpatch_model(torch.device("cpu"))
+
+
+def _cayley_batch_peft_0_17(self, Q, block_size, use_cayley_neumann=True, num_neumann_terms=5):
+    """PEFT 0.16/0.17's OFTRotationModule._cayley_batch (read from peft's git history, v0.17.1): the truncated
+    series I + 2Q + 2Q² + … + 2Q^(n−1); PEFT 0.18 changed it (and began storing peft_version in the config)."""
+    q_skew = self._pytorch_skew_symmetric(Q, block_size)
+    if not use_cayley_neumann:
+        eye = torch.eye(block_size, dtype=Q.dtype).expand_as(q_skew)
+        return torch.linalg.solve(eye + q_skew, eye - q_skew, left=False)
+    rotation = torch.eye(block_size, dtype=Q.dtype).repeat(Q.shape[0], 1, 1)
+    power = torch.eye(block_size, dtype=Q.dtype).repeat(Q.shape[0], 1, 1)
+    for _ in range(1, num_neumann_terms):
+        power = torch.bmm(power, q_skew)
+        rotation = rotation + 2 * power
+    return rotation
+
+
+@pytest.mark.parametrize("variant_id", ["oft-neumann-default", "oft-neumann-3-terms", "oft-block-share"])
+def test_oft_file_from_peft_before_0_18_is_merged_with_its_own_series(tmp_path, variant_id, monkeypatch):
+    """PEFT 0.16/0.17 wrote the same oft_R layout, with a config that has no peft_version, and evaluated the
+    Cayley–Neumann series differently. Such a file is applied with its own series: truth is PEFT's merge with its
+    series swapped for 0.17's; the same file with the config's peft_version (0.18+) keeps today's."""
+    model, state, today = make_adapter(variant_id)
+    config = json.loads(_config_json(model.peft_config["default"]))
+    del config["peft_version"]
+    monkeypatch.setattr(peft.tuners.oft.layer.OFTRotationModule, "_cayley_batch", _cayley_batch_peft_0_17)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        merged = copy.deepcopy(model).merge_and_unload()
+    old = {name: (weight, getattr(merged, name).weight.detach() - weight) for name, (weight, _) in today.items()}
+    assert max(_relative_error(old[n][1], today[n][1]) for n in today) > 1e-3  # the two series differ here
+    path = tmp_path / "oft-0.17.safetensors"
+    save_file(state, str(path), metadata={"lora_adapter_metadata": json.dumps(config)})
+    lfile = load(path)
+    assert lfile.modules[f"{PREFIX}lin.weight"].layout.series_before_0_18
+    _check_merge(lfile, old, 1.0)
+    _check_merge(lfile, old, 0.5)

@@ -42,6 +42,13 @@ def is_peft_feedforward(feedforward_modules: Any, module_name: str) -> bool:
     return any(module_name.endswith(ending) for ending in feedforward_modules or ())
 
 
+def written_before_0_18(peft_version: Any) -> bool:
+    """PEFT's own test (OFTConfig.check_kwargs): a config without `peft_version` (stored since 0.18), or an older
+    one, was written by PEFT < 0.18. "0.18.0.dev0"-style builds count as 0.18."""
+    numbers = re.findall(r"\d+", str(peft_version or "0").partition("@")[0])[:2]
+    return tuple(int(n) for n in numbers) < (0, 18)
+
+
 def option_entries(algorithm: Algorithm, options: dict[str, Any], module_name: str) -> Tensors:
     """The `peft_option.<name>` scalar entries an algorithm reads, from a module's raw PEFT options
     (peft_config.module_options) and its name in the model PEFT wrapped (for IA3's `feedforward_modules`). Added to
@@ -50,6 +57,8 @@ def option_entries(algorithm: Algorithm, options: dict[str, Any], module_name: s
     values = dict(options)
     if algorithm is peft_ia3.ALGORITHM and "feedforward_modules" in options:
         values[peft_ia3.FEEDFORWARD] = is_peft_feedforward(options["feedforward_modules"], module_name)
+    if algorithm is peft_oft.ALGORITHM and options:
+        values[peft_oft.SERIES_BEFORE_0_18] = written_before_0_18(options.get("peft_version"))
     entries = {}
     for key in algorithm.keys:
         name = key.removeprefix(peft_oft.OPTION_PREFIX)

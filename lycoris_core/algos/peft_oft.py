@@ -4,6 +4,8 @@
     COFT (`coft`):   Q_k ← Q_k · min(1, ε' / ‖Q_k‖_F),   ε' = eps / √r                     (per block)
     Cayley–Neumann (`use_cayley_neumann`, default), n = `num_cayley_neumann_terms` (default 5):
         R_k = I + 2·Σ_{j=1..J} Q_kʲ + Q_k^(J+1),   J = max(2, n−2)      (n = 2: I + 2Q_k; n ≤ 1: I)
+        PEFT 0.16/0.17 (a config without `peft_version`, which PEFT stores since 0.18, when it changed the series):
+        R_k = I + 2·Σ_{j=1..n−1} Q_kʲ
     exact Cayley:   R_k = (I − Q_k)(I + Q_k)⁻¹    (note: the series approximates (I + Q)(I − Q)⁻¹, the other sign;
                                                    each is what PEFT computes for its setting)
     W' = W · blockdiag(R)ᵀ,  W as (out, in·∏k) in PyTorch's order (conv: in, kh, kw)
@@ -28,9 +30,11 @@ from .base import Algorithm, Layout, ShapeError, Tensors, expect, require, rows_
 
 OFT_R = "oft_R.weight"
 OPTION_PREFIX = "peft_option."
-# PEFT OFTConfig's defaults for the options that change the maths (peft 0.21).
+# PEFT OFTConfig's defaults for the options that change the maths (peft 0.21). `series_before_0_18` is not PEFT's:
+# option_entries derives it from the config's peft_version (a file without config is taken as PEFT ≥ 0.18's).
+SERIES_BEFORE_0_18 = "series_before_0_18"
 DEFAULTS: dict[str, float] = {"use_cayley_neumann": True, "num_cayley_neumann_terms": 5, "coft": False,
-                              "eps": 6e-5}
+                              "eps": 6e-5, SERIES_BEFORE_0_18: False}
 OPTION_KEYS = tuple(OPTION_PREFIX + name for name in DEFAULTS)
 
 
@@ -54,6 +58,7 @@ class PeftOFTLayout(Layout):
     blocks: int = 0  # blocks across the input, known once the weight is (resolve)
     neumann: bool = True
     terms: int = 5
+    series_before_0_18: bool = False
     coft: bool = False
     eps: float = 6e-5
     assumed: tuple[str, ...] = ()  # options not in the file, taken at PEFT's default
@@ -82,7 +87,8 @@ def layout(t: Tensors, alpha: float | None) -> Layout:
     terms = int(options["num_cayley_neumann_terms"])
     return PeftOFTLayout(None, 1.0, out=-1, stored_blocks=packed.shape[0], block_size=b,
                          neumann=bool(options["use_cayley_neumann"]), terms=terms, coft=bool(options["coft"]),
-                         eps=float(options["eps"]), assumed=assumed)
+                         eps=float(options["eps"]), series_before_0_18=bool(options[SERIES_BEFORE_0_18]),
+                         assumed=assumed)
 
 
 def skew(packed: torch.Tensor, b: int) -> torch.Tensor:
@@ -93,18 +99,19 @@ def skew(packed: torch.Tensor, b: int) -> torch.Tensor:
     return upper - upper.transpose(-1, -2)
 
 
-def neumann_cayley(q: torch.Tensor, terms: int) -> torch.Tensor:
+def neumann_cayley(q: torch.Tensor, terms: int, before_0_18: bool = False) -> torch.Tensor:
     eye = torch.eye(q.shape[-1], device=q.device, dtype=q.dtype).expand_as(q)
     if terms <= 1:
         return eye.clone()
     rotation = eye + 2 * q
     if terms == 2:
         return rotation
+    doubled = terms - 1 if before_0_18 else max(2, terms - 2)  # the last power of the series counted twice
     power = q
-    for _ in range(max(2, terms - 2) - 1):
+    for _ in range(doubled - 1):
         power = power @ q
         rotation = rotation + 2 * power
-    return rotation + power @ q
+    return rotation if before_0_18 else rotation + power @ q
 
 
 def exact_cayley(q: torch.Tensor) -> torch.Tensor:
@@ -119,7 +126,7 @@ def rotations(packed: torch.Tensor, lay: PeftOFTLayout) -> torch.Tensor:
         limit = lay.eps / math.sqrt(lay.stored_blocks)
         norms = torch.linalg.matrix_norm(q, keepdim=True)
         q = q * torch.clamp(limit / norms, max=1.0)
-    return neumann_cayley(q, lay.terms) if lay.neumann else exact_cayley(q)
+    return neumann_cayley(q, lay.terms, lay.series_before_0_18) if lay.neumann else exact_cayley(q)
 
 
 def merge_rows(weight: torch.Tensor, m: float, rotate: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
