@@ -4,18 +4,20 @@ which layers were bypassed, per storage format, and the one warning a merge into
 The model is the tiny SD1.5 UNet loaded by ComfyUI with fp8 e4m3fn weights (its `dtype` model option, what the
 UNET loader's weight_dtype does), with three attention projections swapped for ComfyUI's other quantized layers:
 a `comfy_quant` QuantizedTensor (fp8), a scaled-fp8 Linear as each ComfyUI loads one, and on 0.33 an INT8
-tensorwise layer. GGUF layers are covered in test_gguf.py.
+tensorwise and an mxfp8 layer. GGUF layers are covered in test_gguf.py.
 """
 
 import json
 
 import comfy.model_management
+import comfy.ops
 import comfy.quant_ops
 import comfy.sd
 import comfy.utils
 import folder_paths
 import pytest
 import torch
+from comfy.quant_ops import QuantizedTensor
 from lycoris_nodes.nodes import cache
 from lycoris_nodes.nodes.loaders import LycorisLoaderModelOnly
 from node_runner import execute
@@ -23,10 +25,28 @@ from patcher_util import quantized_linear, scaled_fp8_linear
 from test_nodes import PROJ_IN, TO_Q, _tiny_sd15_path, lora, write
 
 FP8 = torch.float8_e4m3fn
-HAS_INT8 = hasattr(comfy.quant_ops, "TensorWiseINT8Layout") or "TensorWiseINT8Layout" in str(
-    getattr(comfy.quant_ops, "LAYOUTS", ""))
+# 0.33's comfy_quant formats beyond fp8 (0.3.75 has fp8 layouts only)
+QUANT_ALGOS = getattr(comfy.quant_ops, "QUANT_ALGOS", {})
+HAS_INT8, HAS_MXFP8 = "int8_tensorwise" in QUANT_ALGOS, "mxfp8" in QUANT_ALGOS
 ATTN = "input_blocks.1.1.transformer_blocks.0.attn1"
 TO_K, TO_V, TO_OUT = (f"lora_unet_{ATTN.replace('.', '_')}_{n}" for n in ("to_k", "to_v", "to_out_0"))
+
+
+def comfy_quant_layer(weight: torch.Tensor, bias: torch.Tensor, fmt: str) -> torch.nn.Module:
+    """0.33's Linear in the `comfy_quant` format `fmt`, loaded from a checkpoint-like state dict as ComfyUI loads
+    one (comfy_kitchen quantizes `weight` for it)."""
+    q = QuantizedTensor.from_float(weight.float(), QUANT_ALGOS[fmt]["comfy_tensor_layout"])
+    ops = comfy.ops.mixed_precision_ops({}, compute_dtype=torch.float32, full_precision_mm=True)
+    holder = torch.nn.Module()
+    holder.add_module("layer", ops.Linear(weight.shape[1], weight.shape[0], bias=True))
+    scale = q._params.scale
+    holder.load_state_dict({
+        "layer.weight": q._qdata, "layer.bias": bias.float(),
+        "layer.weight_scale": scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale,
+        "layer.comfy_quant": torch.tensor(list(json.dumps({"format": fmt}).encode()), dtype=torch.uint8),
+    }, strict=True)
+    assert isinstance(holder.layer.weight, QuantizedTensor)
+    return holder.layer.requires_grad_(False)
 
 
 def _swap(unet, path: str, make) -> None:
@@ -47,14 +67,15 @@ def quantized_unet():
     _swap(unet, f"{ATTN}.to_k", lambda w, b: scaled_fp8_linear(w, b, FP8, 1.0))
     formats = {f"{ATTN}.to_q": "fp8 e4m3fn", f"{ATTN}.to_k": "fp8 e4m3fn", f"{ATTN}.to_out.0": "fp8 e4m3fn",
                "input_blocks.1.1.proj_in": "fp8 e4m3fn"}
-    if HAS_INT8:
-        from test_bypass_dynamic import int8_layer
-
-        _swap(unet, f"{ATTN}.to_v", lambda w, b: int8_layer(w, torch.zeros(w.shape[0]) if b is None else b))
-        formats[f"{ATTN}.to_v"] = "int8"
-    else:  # 0.3.75 has no int8 layout: that layer stays plain fp8
-        assert not hasattr(comfy.quant_ops, "TensorWiseINT8Layout")
-        formats[f"{ATTN}.to_v"] = "fp8 e4m3fn"
+    for path, fmt, name, present in ((f"{ATTN}.to_v", "int8_tensorwise", "int8", HAS_INT8),
+                                     (f"{ATTN}.to_out.0", "mxfp8", "mxfp8", HAS_MXFP8)):
+        if present:
+            _swap(unet, path, lambda w, b, fmt=fmt: comfy_quant_layer(w, torch.zeros(w.shape[0]) if b is None else b,
+                                                                       fmt))
+            formats[path] = name
+        else:  # 0.3.75 has fp8 layouts only: the layer stays plain fp8
+            assert not hasattr(comfy.quant_ops, "TensorWiseINT8Layout")
+            formats[path] = "fp8 e4m3fn"
     yield model, formats
     comfy.model_management.unload_all_models()
 
