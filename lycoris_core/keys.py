@@ -68,10 +68,13 @@ OMI_DIFFUSION_MODEL_TOPS = {
                      "guidance_in.", "final_layer."),
 }
 OMI_TEXT_ENCODERS = {  # OMI component -> ComfyUI's encoder, and the encoder's top-level modules as OMI writes them
-    "clip_l.": ("clip_l", ("text_model.", "text_projection.")),
-    "clip_g.": ("clip_g", ("text_model.", "text_projection.")),
+    "clip_l.": ("clip_l", ("text_model.", "text_projection")),
+    "clip_g.": ("clip_g", ("text_model.", "text_projection")),
     "t5.": ("t5xxl", ("encoder.",)),
 }
+OMI_PREFIXES: tuple[str, ...] = (
+    tuple(component + top for component, tops in OMI_DIFFUSION_MODEL_TOPS.items() for top in tops)
+    + tuple(component + top for component, (_encoder, tops) in OMI_TEXT_ENCODERS.items() for top in tops))
 PREFIX_RENAMES.update({component + top: ("diffusion_model." + top, {})
                        for component, tops in OMI_DIFFUSION_MODEL_TOPS.items() for top in tops})
 PREFIX_RENAMES.update({component + top: (f"text_encoders.{encoder}.transformer.{top}", {})

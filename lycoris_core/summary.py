@@ -15,7 +15,7 @@ import torch
 
 from .algos.base import ShapeError
 from .errors import LycorisError
-from .keys import ALPHA, DORA_SCALE
+from .keys import ALPHA, DORA_SCALE, OMI_PREFIXES
 from .lycoris_file import assumed_scale_warning, group_keys
 from .module import Module, build_modules
 from .peft_config import PATTERN_KEYS, PeftConfig, module_name, module_options, read_config
@@ -233,6 +233,9 @@ MUSUBI_IMPLEMENTATIONS = ("https://github.com/Tencent/HunyuanVideo", "https://gi
 KEY_STYLES: tuple[tuple[str, str], ...] = (
     ("PEFT save_pretrained names (base_model.model.…)", r"^base_model\.model\."),
     ("kohya sd-scripts OFT names (oft_unet_…)", r"^oft_unet_"),
+    # before the diffusers entries: OMI's unet./transformer. prefixes are diffusers' too, its module paths are not
+    ("OneTrainer OMI names (unet./transformer./clip_l./t5. + the original model's paths)",
+     "^(" + "|".join(re.escape(prefix) for prefix in OMI_PREFIXES) + ")"),
     ("diffusers/PEFT names (lora_A/lora_B)", r"\.lora_[AB]\.(default\.)?weight$"),
     ("diffusers attention-processor names (lora.down/lora.up)", r"[._]lora\.(down|up)\.weight$"),
     ("LyCORIS wrapper names (lycoris_…)", r"^lycoris_"),

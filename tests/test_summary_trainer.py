@@ -130,6 +130,20 @@ CASES = {
     "simpletuner-extract": (_lora("lycoris_transformer_blocks_0_attn_to_q"),
                             {"format": "simpletuner-lycoris-extract", "lycoris_config": "{}"},
                             "SimpleTuner", "LyCORIS wrapper names (lycoris_…)"),
+    # OneTrainer with enable_omi_format (LoRASaverMixin.__save_safetensors -> convert_to_omi): the same header, keys
+    # under the OMI component prefixes with the original model's paths (convert_sd_lora.py "unet", "1.1")
+    "onetrainer-omi": ({**_lora("unet.input_blocks.1.1.transformer_blocks.0.attn1.to_q"),
+                        **_lora("clip_l.text_model.encoder.layers.0.self_attn.q_proj")},
+                       {"modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": "stable-diffusion-v1/lora",
+                        "ot_branch": "master", "ot_revision": "0123abc"},
+                       "OneTrainer", "OneTrainer OMI names (unet./transformer./clip_l./t5. + the original model's paths)"),
+    "omi-flux-no-metadata": (_lora("transformer.double_blocks.0.img_attn.proj"), None, None,
+                             "OneTrainer OMI names (unet./transformer./clip_l./t5. + the original model's paths)"),
+    # ai-toolkit's Flux LoRA (peft_format forced): diffusers names, lora_A/lora_B, no alpha
+    "ai-toolkit-flux": (_lora("transformer.transformer_blocks.0.attn.to_q", ("lora_A.weight", "lora_B.weight")),
+                        {"software": json.dumps({"name": "ai-toolkit", "repo": "https://github.com/ostris/ai-toolkit",
+                                                 "version": "0.1.0"}), "format": "pt"},
+                        "ai-toolkit", "diffusers/PEFT names (lora_A/lora_B)"),
     "no-metadata": (KOHYA_SD15, None, None, "kohya names (lora_unet_… / lora_te…)"),
 }
 

@@ -38,11 +38,12 @@ SDXL_CONFIG = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "us
                "context_dim": 2048, "num_head_channels": 64, "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10],
                "use_temporal_attention": False, "use_temporal_resblock": False}
 FLUX_CONFIG = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32, "context_in_dim": 32,
-               "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 4, "depth": 2, "depth_single_blocks": 2,
+               "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 4, "depth": 2, "depth_single_blocks": 2,
                "axes_dim": [4, 6, 6], "theta": 10000, "patch_size": 2, "qkv_bias": True, "guidance_embed": True}
 WAN_CONFIG = {"image_model": "wan2.1", "model_type": "t2v", "dim": 64, "ffn_dim": 128, "freq_dim": 32, "text_dim": 32,
               "num_heads": 4, "num_layers": 2, "in_dim": 16, "out_dim": 16, "patch_size": (1, 2, 2),
               "window_size": (-1, -1), "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6}
+# mlp_ratio 4 as in Flux.1: ComfyUI's flux_to_diffusers places proj_mlp at rows 3h…7h whatever the config says
 if "txt_ids_dims" in {f.name for f in dataclasses.fields(FluxParams)}:
     FLUX_CONFIG["txt_ids_dims"] = []  # 0.33's Flux also takes the text position-id layout; 0.3.75's has no such field
 HIDDEN = FLUX_CONFIG["hidden_size"]
@@ -68,6 +69,12 @@ FLUX_T5_Q = "t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight"
 ONETRAINER = "Nerogar/OneTrainer modules/modelSaver/mixin/LoRASaverMixin.py (convert_to_legacy_diffusers)"
 SIMPLETUNER_PEFT = "bghira/SimpleTuner helpers/training/save_hooks.py _save_lora (diffusers save_lora_weights)"
 SIMPLETUNER_LYCORIS = "bghira/SimpleTuner helpers/training/save_hooks.py _save_lycoris (LyCORIS wrapper, lycoris_)"
+# ai-toolkit's LoRASpecialNetwork (ostris/ai-toolkit toolkit/lora_special.py create_modules, L463-502 at 27a03a9):
+# name = prefix + the module's path in the diffusers model, dots -> "_" (kohya style: lora_unet, lora_te, lora_te1/2),
+# or kept as dots under `transformer` where peft_format is forced (Flux, SD3, Lumina2, other transformers, L423-433);
+# network_mixins.py get_state_dict then renames lora_down/up -> lora_A/B and drops alpha (L607-622). SD1.5/SDXL use
+# no key map (get_keymap looks for stable_diffusion_locon_*.json, which the repository does not have).
+AI_TOOLKIT = "ostris/ai-toolkit toolkit/lora_special.py create_modules + network_mixins.py get_state_dict"
 AI_TOOLKIT_WAN = "ostris/ai-toolkit Wan 2.1 model: convert_lora_weights_before_save = convert_to_original"
 # OneTrainer's OMI format (enable_omi_format): LoRASaverMixin.__save_safetensors calls convert_to_omi
 # (modules/util/convert/lora/convert_lora_util.py: a key set's omi_prefix replaces its diffusers_prefix, the rest of
@@ -112,6 +119,22 @@ NAMES = [
     ("musubi-tuner", "wan", "lora_unet_blocks_0_ffn_0", LORA, WAN_FFN0, None, MUSUBI),
     ("SimpleTuner", "wan", "transformer.blocks.0.attn1.to_q", PEFT, WAN_Q, None, SIMPLETUNER_PEFT),
     ("SimpleTuner", "wan", "lycoris_blocks_0_attn1_to_q", LORA, WAN_Q, None, SIMPLETUNER_LYCORIS),
+    ("ai-toolkit", "sd15", "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q", LORA, SD15_TO_Q,
+     None, AI_TOOLKIT),
+    ("ai-toolkit", "sd15", "lora_te_text_model_encoder_layers_0_self_attn_q_proj", LORA, SD15_TE_Q, None, AI_TOOLKIT),
+    ("ai-toolkit", "sdxl", "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q", LORA, SDXL_TO_Q,
+     None, AI_TOOLKIT),
+    ("ai-toolkit", "sdxl_clip", "lora_te1_text_model_encoder_layers_0_self_attn_q_proj", LORA, SDXL_TE1_Q, None,
+     AI_TOOLKIT),
+    ("ai-toolkit", "sdxl_clip", "lora_te2_text_model_encoder_layers_0_self_attn_q_proj", LORA, SDXL_TE2_Q, None,
+     AI_TOOLKIT),
+    ("ai-toolkit", "flux", "transformer.transformer_blocks.0.attn.to_q", PEFT, FLUX_QKV, FLUX_Q_ROWS, AI_TOOLKIT),
+    ("ai-toolkit", "flux", "transformer.transformer_blocks.0.ff.net.2", PEFT,
+     "diffusion_model.double_blocks.0.img_mlp.2.weight", None, AI_TOOLKIT),
+    ("ai-toolkit", "flux", "transformer.single_transformer_blocks.0.proj_mlp", PEFT, FLUX_LINEAR1, FLUX_MLP_ROWS,
+     AI_TOOLKIT),
+    ("ai-toolkit", "flux", "transformer.single_transformer_blocks.1.proj_out", PEFT,
+     "diffusion_model.single_blocks.1.linear2.weight", None, AI_TOOLKIT),
     ("OneTrainer OMI", "sd15", "unet.input_blocks.1.1.transformer_blocks.0.attn1.to_q", LORA, SD15_TO_Q, None, OT_OMI),
     ("OneTrainer OMI", "sd15", "unet.time_embed.0", LORA, "diffusion_model.time_embed.0.weight", None, OT_OMI),
     ("OneTrainer OMI", "sd15", "unet.output_blocks.1.1.transformer_blocks.0.ff.net.2", LORA,
@@ -139,6 +162,8 @@ NAMES = [
     ("OneTrainer OMI", "flux", "transformer.img_in.proj", LORA, "diffusion_model.img_in.weight", None, OT_OMI),
     ("OneTrainer OMI", "flux_clip", "clip_l.text_model.encoder.layers.0.self_attn.q_proj", LORA, SDXL_TE1_Q, None,
      OT_OMI),
+    ("OneTrainer OMI", "flux_clip", "clip_l.text_projection", LORA, "clip_l.transformer.text_projection.weight", None,
+     OT_OMI),  # convert_clip.py map_clip: "text_projection"
     ("OneTrainer OMI", "flux_clip", "t5.encoder.block.0.layer.0.SelfAttention.q", LORA, FLUX_T5_Q, None, OT_OMI),
 ]
 EXPECTED_MISSES = {  # (architecture, module name) -> why it does not map
