@@ -360,3 +360,20 @@ def test_oft_file_from_peft_before_0_18_is_merged_with_its_own_series(tmp_path, 
     assert lfile.modules[f"{PREFIX}lin.weight"].layout.series_before_0_18
     _check_merge(lfile, old, 1.0)
     _check_merge(lfile, old, 0.5)
+
+
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_oft_file_from_peft_before_0_16_is_refused_with_the_reason(tmp_path, with_scale):
+    """PEFT ≤ 0.13 saved OFT as `oft_r` (r, b, b), 0.14/0.15 added `oft_s` (out, 1) (their OFTLayer in peft's git
+    history; those PEFTs are not installable next to 0.21, so the keys are written here in their layout). PEFT
+    itself no longer loads them: the file is refused with that reason, naming the file and the key."""
+    from lycoris_nodes.lycoris_core import LycorisError
+
+    state = {f"{PREFIX}lin.oft_r": torch.randn(4, 8, 8)}
+    if with_scale:
+        state[f"{PREFIX}lin.oft_s"] = torch.ones(12, 1)
+    path = tmp_path / "oft-0.15.safetensors"
+    save_file(state, str(path))
+    with pytest.raises(LycorisError, match="before PEFT 0.16") as raised:
+        load(path)
+    assert raised.value.key == f"{PREFIX}lin.oft_r" and raised.value.file is not None

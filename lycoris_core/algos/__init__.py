@@ -26,6 +26,7 @@ WEIGHT_ALGORITHMS: tuple[Algorithm, ...] = (
     glora.ALGORITHM,
     oft.OLD_ALGORITHM,
     peft_oft.ALGORITHM,
+    peft_oft.OLD_ALGORITHM,  # refused with its reason when the file is loaded
     peft_boft.ALGORITHM,
     peft_ia3.ALGORITHM,
 )

@@ -17,6 +17,10 @@ The rotation mixes columns only, so W is merged in place a piece of rows at a ti
 Options that are not in the tensors come from the file's PEFT config as scalar entries `peft_option.<name>`
 (`option_entries` in algos/__init__.py); a missing one takes PEFT's default and is listed in the layout's `assumed`.
 The helpers for those entries are shared by the PEFT algorithm files.
+
+PEFT before 0.16 stored OFT as `oft_r` (block matrices, and from 0.14 an `oft_s` scale), a parametrisation PEFT
+itself no longer loads (its OFTConfig refuses such configs): such a file is refused when it is loaded, with that
+reason (`OLD_ALGORITHM`), rather than listed key by key as unknown.
 """
 
 import math
@@ -153,4 +157,19 @@ def merge_into(t: Tensors, lay: PeftOFTLayout, weight: torch.Tensor, m: float, r
 ALGORITHM = Algorithm(
     name="peft-oft", label="OFT (PEFT)", markers=(OFT_R,), keys=(OFT_R, *OPTION_KEYS),
     layout=layout, merge_into=merge_into, uses_alpha=False,
+)
+
+
+OLD_R, OLD_S = "oft_r", "oft_s"
+OLD_REASON = ("PEFT's OFT from before PEFT 0.16 (`oft_r`): a parametrisation PEFT itself no longer loads (PEFT 0.14 "
+              "and 0.16 changed it); not supported, retrain with PEFT 0.16 or newer (`oft_R`)")
+
+
+def old_layout(t: Tensors, alpha: float | None) -> Layout:
+    raise ShapeError(OLD_REASON, OLD_R)
+
+
+OLD_ALGORITHM = Algorithm(
+    name="peft-oft-old", label="OFT (PEFT < 0.16)", markers=(OLD_R,), keys=(OLD_R, OLD_S),
+    layout=old_layout, uses_alpha=False,
 )
