@@ -25,6 +25,8 @@ ALIASES: dict[str, str] = {
     "lora_A.default.weight": "lora_down.weight",
     "lora_B": "lora_up.weight",
     "lora_A": "lora_down.weight",
+    # ai-toolkit's DoRAModule (toolkit/models/DoRA.py): the row norms of W + ΔW, per output as PEFT's magnitude
+    "magnitude": PEFT_MAGNITUDE,
 }
 # diffusers' attention-processor LoRA joins the suffix with "_" instead of ".": `to_q_lora.up.weight`.
 UNDERSCORE_ALIASES: dict[str, str] = {

@@ -4,6 +4,7 @@ Checking everything at load (internal shapes, finite values) is what lets patch 
 ComfyUI does not roll back a patch that raises half-way, and clones share one module.
 """
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -94,6 +95,25 @@ def check_values(state_dict: Mapping[str, torch.Tensor], file: str | None = None
             checked(tensor)
 
 
+def software_name(metadata: Mapping[str, str]) -> str | None:
+    """The `software` name ai-toolkit's get_meta_for_safetensors writes (a JSON object), or None."""
+    try:
+        software = json.loads(metadata.get("software") or "null")
+    except json.JSONDecodeError:
+        return None
+    return software.get("name") if isinstance(software, dict) else None
+
+
+def scale_warnings(name: str, modules: list[Module], metadata: Mapping[str, str]) -> list[str]:
+    """The one warning for modules whose alpha was assumed. ai-toolkit saves its PEFT-format LoRAs without alpha
+    because it trains them with alpha = rank (toolkit/lora_special.py: `if self.peft_format: self.alpha =
+    self.lora_dim`): in its files scale 1 is the definition, not an assumption."""
+    assumed = [m for m in modules if m.scale_assumed]
+    if not assumed or software_name(metadata) == "ai-toolkit":
+        return []
+    return [assumed_scale_warning(name, assumed)]
+
+
 def assumed_scale_warning(name: str, modules: list[Module]) -> str:
     return (f"{name}: {len(modules)} modules (e.g. '{modules[0].prefix}') have no alpha tensor and no PEFT config "
             f"gives theirs (neither the file's 'lora_adapter_metadata' nor an adapter_config.json beside it): assumed "
@@ -126,8 +146,7 @@ def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state
     if not modules:
         raise LycorisError(f"no LyCORIS/LoRA module found among {len(state_dict)} keys "
                            f"(e.g. '{next(iter(state_dict))}'); is this an adapter file?", file=name)
-    assumed = [m for m in modules.values() if m.scale_assumed]
-    warnings = [assumed_scale_warning(name, assumed)] if assumed else []
+    warnings = scale_warnings(name, list(modules.values()), metadata or {})
     return LycorisFile(name, modules, unused, dict(metadata or {}), warnings)
 
 

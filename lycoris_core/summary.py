@@ -16,7 +16,7 @@ import torch
 from .algos.base import ShapeError
 from .errors import LycorisError
 from .keys import ALPHA, DORA_SCALE, OMI_PREFIXES
-from .lycoris_file import assumed_scale_warning, group_keys
+from .lycoris_file import group_keys, scale_warnings, software_name
 from .module import Module, build_modules
 from .peft_config import PATTERN_KEYS, PeftConfig, module_name, module_options, read_config
 from .safetensors_file import SafetensorsFile
@@ -245,20 +245,12 @@ KEY_STYLES: tuple[tuple[str, str], ...] = (
 )
 
 
-def _software_name(metadata: dict[str, str]) -> str | None:
-    try:
-        software = json.loads(metadata.get("software") or "null")
-    except json.JSONDecodeError:
-        return None
-    return software.get("name") if isinstance(software, dict) else None
-
-
 def _trainer(metadata: dict[str, str]) -> tuple[str | None, str]:
     """(trainer, evidence) from the metadata trainers write; (None, why not) when none names itself."""
     ot_keys = [k for k in ("ot_revision", "ot_branch", "ot_config") if k in metadata]
     if ot_keys:
         return "OneTrainer", f"{ot_keys[0]} in metadata"
-    if _software_name(metadata) == "ai-toolkit":
+    if software_name(metadata) == "ai-toolkit":
         return "ai-toolkit", "software = ai-toolkit in metadata"
     if metadata.get("format") == "simpletuner-lycoris-extract":
         return "SimpleTuner", "format = simpletuner-lycoris-extract in metadata"
@@ -303,10 +295,13 @@ def _alpha_used(module: Module, options: dict, in_file: bool) -> float | None:
     return float(options.get("lora_alpha", options.get("alpha")))
 
 
-def _alpha_from(config: PeftConfig | None, sources: Counter) -> dict:
+def _alpha_from(config: PeftConfig | None, sources: Counter, metadata: dict[str, str]) -> dict:
     """Where the modules' alphas come from (`sources` counts "file", "config" and "assumed"), and the summary line
     for a PEFT config: the loader's scale rests on it, so the inspector says which one and what it holds."""
     if not sources["config"]:
+        if sources["assumed"] and software_name(metadata) == "ai-toolkit":  # see lycoris_file.scale_warnings
+            return {"source": "ai-toolkit", "rslora": False, "patterns": [],
+                    "line": f"alpha = rank for {sources['assumed']} modules: ai-toolkit trains its PEFT format so"}
         return {"source": "file" if sources["file"] else None, "rslora": False, "patterns": [], "line": None}
     components = config.components.values()
     rslora = any(c.get("use_rslora") for c in components)
@@ -324,7 +319,7 @@ def summarize(path) -> FileSummary:
     modules: list[ModuleSummary] = []
     in_features: dict[str, int | None] = {}
     alpha_sources: Counter = Counter()
-    assumed: list[Module] = []
+    built_modules: list[Module] = []
     unused = len(unknown)
     for prefix, group in groups.items():
         options = module_options(config, prefix)
@@ -339,7 +334,7 @@ def summarize(path) -> FileSummary:
         unused += len(leftover)
         modules += [_module_summary(f"{prefix}.{m.param}", m, _alpha_used(m, options, ALPHA in group)) for m in built]
         in_features[prefix] = built[0].layout.flat_in if built else None
-        assumed += [m for m in built if m.scale_assumed]
+        built_modules += built
         alpha_sources.update("file" if ALPHA in group else "assumed" if m.scale_assumed else "config"
                              for m in built if m.alpha is not None or m.scale_assumed)
     meta = reader.metadata
@@ -363,8 +358,8 @@ def summarize(path) -> FileSummary:
         title=meta.get("modelspec.title") or meta.get("ss_output_name") or None,
         training={label: meta[key] for key, label in TRAINING_KEYS.items() if meta.get(key)},
         lycoris_config=lycoris_config, metadata_count=len(meta), unused_keys=unused,
-        made_by=made_by(list(reader.entries), meta), alpha_from=_alpha_from(config, alpha_sources),
-        warnings=[assumed_scale_warning(reader.name, assumed)] if assumed else [], modules=modules,
+        made_by=made_by(list(reader.entries), meta), alpha_from=_alpha_from(config, alpha_sources, meta),
+        warnings=scale_warnings(reader.name, built_modules, meta), modules=modules,
     )
 
 
