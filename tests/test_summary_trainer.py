@@ -9,10 +9,14 @@ import copy
 import json
 
 import pytest
+import test_nodes
 import torch
 from lycoris_nodes.lycoris_core.summary import summarize
 from safetensors.torch import save_file
 from torch import nn
+
+
+loras = test_nodes.loras  # fixture: an empty loras folder ComfyUI lists
 
 
 class Block(nn.Module):
@@ -242,3 +246,18 @@ def test_kohya_file_alpha_is_from_the_file(tmp_path):
     summary = summarize(_write(tmp_path, "k.safetensors", {**KOHYA_SD15, KOHYA_ALPHA: torch.tensor(2.0)}))
     assert [(m.rank, m.alpha, m.scale) for m in summary.modules] == [(4, 2.0, 0.5)]
     assert summary.alpha_from["source"] == "file" and summary.warnings == []
+
+
+def test_info_node_shows_the_alpha_from_adapter_config_json(loras):
+    """Through the LyCORIS Info node as ComfyUI runs it: PEFT's save_pretrained folder copied into the loras folder,
+    the summary text and the panel's data carry the config's alpha."""
+    from lycoris_nodes.nodes.info import LycorisInfo
+    from test_coverage import panel, run
+    from test_peft_scale import lora, save_pretrained
+
+    save_pretrained(loras / "peft", lora(**PATTERNS))
+    (text, _triggers, _coverage), ui = run(LycorisInfo, lycoris_name="peft/adapter_model.safetensors")
+    data = panel(ui)["summary"]
+    assert data["alpha"] == {"min": 1, "max": 13}  # alpha_pattern's c1 and c3n; the others take lora_alpha 6
+    assert data["alpha_from"]["source"] == str(loras / "peft" / "adapter_config.json")
+    assert data["alpha_from"]["line"] in text and data["warnings"] == []
