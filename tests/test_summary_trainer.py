@@ -15,7 +15,6 @@ from lycoris_nodes.lycoris_core.summary import summarize
 from safetensors.torch import save_file
 from torch import nn
 
-
 loras = test_nodes.loras  # fixture: an empty loras folder ComfyUI lists
 
 
@@ -229,8 +228,8 @@ def test_summary_alpha_from_adapter_config_json(tmp_path):
 
 
 def test_summary_without_any_alpha_warns_like_the_loader(tmp_path):
-    from test_peft_scale import adapted, lora, save_diffusers
     from lycoris_nodes.lycoris_core import load
+    from test_peft_scale import adapted, lora, save_diffusers
 
     model, _base = adapted(lora(**PATTERNS))
     path = save_diffusers(tmp_path, model)  # no config anywhere: diffusers loads it with alpha = rank
