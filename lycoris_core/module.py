@@ -127,6 +127,9 @@ def build_modules(prefix: str, group: dict[str, torch.Tensor], file: str | None 
             layout = algorithm.layout(tensors, alpha if algorithm.uses_alpha else None)
         except ShapeError as e:
             raise LycorisError(e.reason, file=file, key=f"{prefix}.{e.key}" if e.key else prefix) from e
+        if layout is None:  # a bias part its tensors say changes nothing here
+            used.update(tensors)
+            continue
         module_alpha, assumed = alpha, False
         if alpha is None and algorithm.name in SCALED_BY_ALPHA:
             if scale is not None:  # PEFT's scale whatever our own rule for this layout (LoKr's full factors: 1)

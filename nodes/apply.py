@@ -17,6 +17,7 @@ import torch
 
 from ..lycoris_core import LycorisError, LycorisFile, Module, Plan
 from ..lycoris_core.block_weights import BlockWeights
+from ..lycoris_core.bypass import reads_weight
 from ..lycoris_core.summary import declared_family, family_id, infer_family
 from . import gguf, keymap
 from .adapter import LycorisAdapter
@@ -39,6 +40,8 @@ NO_CLIP = "text-encoder module, but no CLIP is connected"
 NO_MODEL = "diffusion-model module, but no MODEL is connected"
 MAX_LISTED = 20
 AT_WEIGHT_CAST = "int8 layers ComfyUI runs without their forward"
+CONVERTED_WEIGHT = ("ComfyUI stores this parameter converted (its converter function reorders it) and converts only "
+                    "a change back; this module's change reads the parameter in the file's layout: not applied")
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ def _bias_key(patch_key):
     if isinstance(patch_key, str):
         return patch_key[: -len(".weight")] + ".bias" if patch_key.endswith(".weight") else None
     key, offset = patch_key[0], patch_key[1]
-    if not key.endswith(".weight") or offset[0] != 0:
+    if not key.endswith(".weight") or (offset is not None and offset[0] != 0):
         return None
     return (key[: -len(".weight")] + ".bias", offset, *patch_key[2:])
 
@@ -144,8 +147,9 @@ def _add_nearest_names(report: ApplyReport, lfile: LycorisFile, key_map: dict) -
             listed += 1
 
 
-def find_target(module: Module, key_map: dict, shapes: dict[str, dict]) -> Target | str:
-    """Where this module goes, or the reason it goes nowhere."""
+def find_target(module: Module, key_map: dict, shapes: dict[str, dict]) -> Target | str | None:
+    """Where this module goes, or the reason it goes nowhere; None for an optional part whose parameter this layer
+    does not have (nothing to change)."""
     patch_key = key_map.get(module.prefix)
     if patch_key is None:
         is_text_encoder = module.prefix.startswith(TEXT_ENCODER_PREFIXES)
@@ -163,7 +167,16 @@ def find_target(module: Module, key_map: dict, shapes: dict[str, dict]) -> Targe
     for side, side_shapes in shapes.items():
         if key in side_shapes:
             return Target(side, patch_key, _narrowed(side_shapes[key], offset))
+    if module.algorithm.optional:
+        return None
     return f"target {key} does not exist in this model"
+
+
+def reads_converted_weight(target: Target, plan: Plan) -> bool:
+    """A change computed from a weight ComfyUI hands over in its own layout, where the file's is converted: ComfyUI's
+    converter function maps a change, not the weight it is computed from (e.g. Flux's swapped norm_out halves)."""
+    converted = not isinstance(target.patch_key, str) and len(target.patch_key) > 2 and target.patch_key[2] is not None
+    return converted and (reads_weight(plan) or plan.algorithm == "peft-ia3-bias")
 
 
 def _params(module: Module) -> int:
@@ -177,8 +190,11 @@ def build_patches(lfile: LycorisFile, key_map: dict, shapes: dict[str, dict], re
     report.warnings = list(lfile.warnings)
     patches: dict[str, dict] = {side: {} for side in shapes}
     for module_key, module in lfile.modules.items():
-        report.params_total += _params(module)
         target = find_target(module, key_map, shapes)
+        if target is None:  # e.g. PEFT's (IA)³ bias part on a layer without a bias: PEFT's merge changes nothing
+            report.total -= 1
+            continue
+        report.params_total += _params(module)
         if isinstance(target, str):
             report.problems.append((module_key, target))
             continue
@@ -186,6 +202,9 @@ def build_patches(lfile: LycorisFile, key_map: dict, shapes: dict[str, dict], re
             plan = module.plan_for(target.shape, reference=reference, file=lfile.name)
         except LycorisError as e:
             report.problems.append((module_key, e.reason))
+            continue
+        if reads_converted_weight(target, plan):
+            report.problems.append((module_key, CONVERTED_WEIGHT))
             continue
         patches[target.side][target.patch_key] = LycorisAdapter.from_module(module, plan)
         report.applied[module_key] = target.key

@@ -129,9 +129,9 @@ def _with_options(state, variant_id):
         prefix, suffix = split_key(key)
         groups.setdefault(prefix, {})[suffix] = tensor
     for prefix, group in groups.items():
-        (algorithm,) = detect(group)
-        for suffix, tensor in option_entries(algorithm, options, prefix.removeprefix(PREFIX)).items():
-            out[f"{prefix}.{suffix}"] = tensor
+        for algorithm in detect(group):  # (IA)3: the weight and the bias part read the same options
+            for suffix, tensor in option_entries(algorithm, options, prefix.removeprefix(PREFIX)).items():
+                out[f"{prefix}.{suffix}"] = tensor
     return out
 
 
@@ -205,11 +205,10 @@ def test_bypass_equals_merge(variant_id, strength):
 
 
 def test_peft_algorithms_are_told_apart_from_lycoris():
-    for variant_id, label in [("oft-neumann-default", "OFT (PEFT)"), ("boft-1-factor", "BOFT (PEFT)"),
-                              ("ia3-normal", "(IA)³ (PEFT)")]:
+    for variant_id, labels in [("oft-neumann-default", {"OFT (PEFT)"}), ("boft-1-factor", {"BOFT (PEFT)"}),
+                               ("ia3-normal", {"(IA)³ (PEFT)", "(IA)³ (PEFT, bias)"})]:
         _, state, _ = make_adapter(variant_id)
-        labels = {m.label for m in parse_state_dict(state, variant_id).modules.values()}
-        assert labels == {label}
+        assert {m.label for m in parse_state_dict(state, variant_id).modules.values()} == labels
 
 
 def test_square_conv_ia3_without_config_assumes_output_side():
@@ -266,9 +265,9 @@ def test_half_precision_files(tmp_path, variant_id, dtype):
     _check_merge(load(path), {k: v for k, v in truth.items() if k != "square"}, 0.5)
 
 
-@pytest.mark.xfail(strict=True, reason="PEFT's (IA)3 merge also scales a normal layer's bias (b' = l·b); only the "
-                   "weight is applied (a bias part needs the loader to skip layers without a bias quietly)")
 def test_ia3_normal_layer_bias_is_scaled_like_peft_merge():
+    """PEFT's (IA)³ merge also scales a normal layer's bias (b' = l·b): a bias module of its own, from the same
+    ia3_l, at the same linear strength."""
     model, state, _ = make_adapter("ia3-normal")
     bias = model.base_model.model.lin.base_layer.bias.detach().clone()
     with warnings.catch_warnings():
@@ -276,8 +275,26 @@ def test_ia3_normal_layer_bias_is_scaled_like_peft_merge():
         merged_bias = copy.deepcopy(model).merge_and_unload().lin.bias.detach()
     assert not torch.equal(merged_bias, bias)
     module = parse_state_dict(state, "ia3").modules[f"{PREFIX}lin.bias"]
-    patched = apply(module.plan_for(tuple(bias.shape)), module.tensors, bias.clone(), 1.0)
-    assert _relative_error(patched - bias, merged_bias - bias) <= TOLERANCE
+    for strength in STRENGTHS:
+        patched = apply(module.plan_for(tuple(bias.shape)), module.tensors, bias.clone(), strength)
+        assert _relative_error(patched - bias, strength * (merged_bias - bias)) <= TOLERANCE
+
+
+def test_ia3_bias_part_only_where_peft_merge_changes_the_bias():
+    """A feed-forward layer's bias is left as it is (PEFT scales its inputs): no bias module, whether the side is
+    told by the shape (Linear) or the config (conv); a conv without config whose ia3_l fits the bias scales it (PEFT's
+    default side), one that fits only the inputs is resolved to no change."""
+    _, state, _ = make_adapter("ia3-feedforward")
+    told = parse_state_dict(_with_options(state, "ia3-feedforward"), "told").modules
+    assert {key for key in told if key.endswith(".bias")} == {f"{PREFIX}lin.bias", f"{PREFIX}pw.bias"}
+    bare = parse_state_dict(state, "bare").modules
+    assert f"{PREFIX}ff.bias" not in bare  # a Linear's (1, in) says feed-forward
+    square = bare[f"{PREFIX}square.bias"].plan_for((6,))  # (1, 6, 1, 1) on 6 -> 6: PEFT's default, the output side
+    assert square.layout.scales
+    conv = bare[f"{PREFIX}conv.bias"].plan_for((6,))  # (1, 8, 1, 1) on 8 -> 6: the inputs, so the bias stays
+    bias = torch.randn(6)
+    assert not conv.layout.scales and torch.equal(apply(conv, bare[f"{PREFIX}conv.bias"].tensors, bias.clone(), 1.0),
+                                                  bias)
 
 
 def _comfy_net(weights):

@@ -1,7 +1,7 @@
 """The algorithm registry, in the reference's detection order (lycoris.modules.get_module): first match wins.
 
 A module's weight is patched by the first algorithm in WEIGHT_ALGORITHMS whose marker key it has; its bias by every
-algorithm in BIAS_ALGORITHMS whose marker it has. PEFT's own OFT, BOFT and (IA)³ come last: their markers (`oft_R`,
+algorithm in BIAS_ALGORITHMS whose marker it has (PEFT's (IA)³ has both: `ia3_l` also scales a normal layer's bias). PEFT's own OFT, BOFT and (IA)³ come last: their markers (`oft_R`,
 `boft_R`, `ia3_l`) are PEFT's names, which no LyCORIS file uses.
 """
 
@@ -30,7 +30,8 @@ WEIGHT_ALGORITHMS: tuple[Algorithm, ...] = (
     peft_boft.ALGORITHM,
     peft_ia3.ALGORITHM,
 )
-BIAS_ALGORITHMS: tuple[Algorithm, ...] = (full.FULL_BIAS, full.NORM_BIAS, peft_lora_bias.ALGORITHM)
+BIAS_ALGORITHMS: tuple[Algorithm, ...] = (full.FULL_BIAS, full.NORM_BIAS, peft_lora_bias.ALGORITHM,
+                                          peft_ia3.BIAS_ALGORITHM)
 BY_NAME: dict[str, Algorithm] = {a.name: a for a in WEIGHT_ALGORITHMS + BIAS_ALGORITHMS}
 # Keys an algorithm reads into its layout and never again: the patch does not need them.
 LAYOUT_ONLY_KEYS: frozenset[str] = frozenset({lokr.ROW_OFFSET, *peft_oft.OPTION_KEYS, *peft_ia3.OPTION_KEYS})

@@ -4,7 +4,8 @@ An algorithm is declared as data (`Algorithm`): the tensor suffixes it reads, th
 small functions:
 
 * ``layout(t, alpha) -> Layout``: checks the tensors agree with each other and derives rank, scale and the weight
-  shape they imply. Runs once, when the file is loaded; raises `ShapeError`.
+  shape they imply. Runs once, when the file is loaded; raises `ShapeError`. A bias part returns None when its
+  tensors say it changes nothing for this module (PEFT's (IA)³ on a feed-forward layer).
 * ``add_into(t, layout, W, m, out)``: for additive algorithms, out += m·ΔW(W) in place, with ΔW the full-strength
   change (scale applied once), so W' = W + m·ΔW. `out` is W itself when patching, a zero tensor when ΔW alone is
   wanted; ΔW of GLoRA and (IA)³ reads W, so every read of W happens before `out` is written. DoRA wraps this.
@@ -64,7 +65,7 @@ class Algorithm:
     label: str  # what users read, e.g. "LoKr"
     markers: tuple[str, ...]  # suffixes whose presence selects this algorithm
     keys: tuple[str, ...]  # every tensor suffix it may read (alpha and dora_scale are handled for all)
-    layout: Callable[[Tensors, float | None], Layout]
+    layout: Callable[[Tensors, float | None], Layout | None]
     add_into: Callable[[Tensors, Layout, torch.Tensor, float, torch.Tensor], None] | None = None
     merge_into: Callable[[Tensors, Layout, torch.Tensor, float, bool], None] | None = None
     dense: tuple[str, ...] = ()  # keys as large as the weight: never cast whole (see casting.add_scaled)
@@ -72,6 +73,7 @@ class Algorithm:
     param: str = "weight"  # which parameter of the target layer it patches
     supports_dora: bool = False
     uses_alpha: bool = True
+    optional: bool = False  # a layer without this parameter needs no change (PEFT's (IA)³ bias of a bias-less layer)
     layout_only: tuple[str, ...] = ()  # keys read for the layout only (beyond LAYOUT_ONLY_KEYS): not passed to patches
 
     def matches(self, t: Tensors) -> bool:

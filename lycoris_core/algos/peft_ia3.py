@@ -7,7 +7,10 @@
 Which side: a Linear's shape tells; a conv's does not, so it comes from the config (`feedforward_modules`, as the
 scalar entry `peft_option.is_feedforward`), else from the weight when only one of its channel counts fits, else
 PEFT's default (not feed-forward), listed in the layout's `assumed`.
-PEFT's merge also scales a normal layer's bias by l; that part is not applied here (the weight only).
+
+PEFT's merge also scales the bias of a layer that is not feed-forward: b' = l ⊙ b. That is a module of its own
+(`BIAS_ALGORITHM`, on the layer's bias, same strength semantics: b + m·((l − 1) ⊙ b)); a feed-forward layer has
+none. Its side is told the same way; a conv without config whose `ia3_l` does not fit the bias scales the inputs.
 
 Patched as W += m·((l − 1) ⊙ W), one in-place addcmul_ broadcast along the axis (no weight-sized temporary).
 """
@@ -55,7 +58,8 @@ def axis_from_shape(scales: torch.Tensor) -> int | None:
     return None
 
 
-def layout(t: Tensors, alpha: float | None) -> Layout:
+def _axis(t: Tensors) -> tuple[int | None, int]:
+    """(side if the shape or the config tells it, number of scales)."""
     (scales,) = require(t, SCALES)
     expect(scales.ndim >= 2 and sorted(scales.shape)[-2] == 1 and (scales.ndim == 2 or scales.shape[0] == 1),
            f"ia3_l must be (out, 1), (1, in) or (1, n, 1, …), got {list(scales.shape)}", SCALES)
@@ -63,7 +67,12 @@ def layout(t: Tensors, alpha: float | None) -> Layout:
     if axis is None and OPTION_PREFIX + FEEDFORWARD in t:
         options, _ = read_options(t, {FEEDFORWARD: False})
         axis = 1 if options[FEEDFORWARD] else 0
-    return PeftIA3Layout(None, 1.0, out=-1, axis=axis, length=scales.numel())
+    return axis, scales.numel()
+
+
+def layout(t: Tensors, alpha: float | None) -> Layout:
+    axis, length = _axis(t)
+    return PeftIA3Layout(None, 1.0, out=-1, axis=axis, length=length)
 
 
 def add_into(t: Tensors, lay: PeftIA3Layout, weight: torch.Tensor, m: float, out: torch.Tensor) -> None:
@@ -75,4 +84,35 @@ def add_into(t: Tensors, lay: PeftIA3Layout, weight: torch.Tensor, m: float, out
 ALGORITHM = Algorithm(
     name="peft-ia3", label="(IA)³ (PEFT)", markers=(SCALES,), keys=(SCALES, *OPTION_KEYS),
     layout=layout, add_into=add_into, uses_alpha=False,
+)
+
+
+@dataclass(frozen=True)
+class PeftIA3BiasLayout(Layout):
+    length: int = 0
+    told: bool = True  # the side is known to be the output side; else (a conv without config) the bias tells
+    scales: bool = True  # False: the weight's inputs are scaled, the bias is left as it is
+
+    def resolve(self, bias_shape: tuple[int, ...]) -> Layout:
+        if tuple(bias_shape) == (self.length,):
+            return self
+        if not self.told:  # as PeftIA3Layout.resolve: only the weight's input count fits, so inputs are scaled
+            return replace(self, scales=False)
+        raise ShapeError(f"(IA)3 scales {self.length} output channels, the bias's shape is {list(bias_shape)}", SCALES)
+
+
+def bias_layout(t: Tensors, alpha: float | None) -> Layout | None:
+    """The bias part, or None for a feed-forward layer (PEFT leaves its bias as it is)."""
+    axis, length = _axis(t)
+    return None if axis == 1 else PeftIA3BiasLayout(None, 1.0, out=-1, length=length, told=axis == 0)
+
+
+def add_bias_into(t: Tensors, lay: PeftIA3BiasLayout, bias: torch.Tensor, m: float, out: torch.Tensor) -> None:
+    if lay.scales:
+        out.addcmul_(bias, t[SCALES].reshape(-1) - 1, value=m)
+
+
+BIAS_ALGORITHM = Algorithm(
+    name="peft-ia3-bias", label="(IA)³ (PEFT, bias)", markers=(SCALES,), keys=(SCALES, *OPTION_KEYS),
+    layout=bias_layout, add_into=add_bias_into, param="bias", uses_alpha=False, optional=True,
 )
