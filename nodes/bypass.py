@@ -293,7 +293,7 @@ def wants_bypass(mode: str, layer: torch.nn.Module | None, patch_key, plan,
     key = patch_key if isinstance(patch_key, str) else patch_key[0]
     if not is_bypassable(plan) or not key.endswith(".weight"):
         return False
-    if not isinstance(patch_key, str) and (patch_key[1][0] != 0 or len(patch_key) > 2):
+    if not isinstance(patch_key, str) and (len(patch_key) > 2 or patch_key[1] is None or patch_key[1][0] != 0):
         return False  # only output-row slices map onto output channels; a convert function needs the weight
     if layer_op(layer) is None:
         return False

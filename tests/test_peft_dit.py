@@ -128,10 +128,9 @@ ADAPTERS = {
     "lora-patterns": lambda targets=ADDITIVE_TARGETS: _lora(targets, lora_alpha=8,
                                                              rank_pattern={"proj_mlp": 2, "to_v": 6},
                                                              alpha_pattern={"to_k": 3, "ff.net.2": 12}),
-    # lora_B with a bias, which PEFT's merge adds to the layer's bias at the LoRA's scale. Not on norm_out.linear:
-    # nodes/apply.py's bias lookup fails on a converted target with no row offset (H3's report to the lead)
-    "lora-bias": lambda targets=TARGETS: _lora(targets, lora_bias=True, lora_alpha=8, rank_pattern={"to_v": 2},
-                                               alpha_pattern={"proj_mlp": 3}),
+    # lora_B with a bias, which PEFT's merge adds to the layer's bias at the LoRA's scale
+    "lora-bias": lambda targets=ADDITIVE_TARGETS: _lora(targets, lora_bias=True, lora_alpha=8,
+                                                         rank_pattern={"to_v": 2}, alpha_pattern={"proj_mlp": 3}),
     "dora": lambda targets=TARGETS: _lora(targets, use_dora=True),
     "loha": lambda targets=ADDITIVE_TARGETS: peft.LoHaConfig(r=RANK, alpha=8, init_weights=False,
                                                              target_modules=targets),
@@ -151,7 +150,7 @@ CASES = ([(kind, fmt) for kind in ("lora", "lora-patterns", "dora")
           if not (kind == "lora-patterns" and fmt == "save_lora_weights")]  # patterns live only in the config
          + [("lora-bias", "save_lora_weights+metadata"), ("lora-bias", "save_pretrained")]
          + [(kind, "save_pretrained") for kind in ("loha", "lokr", "oft", "boft", "ia3")])
-ADDITIVE = {"lora", "lora-patterns", "loha", "lokr"}  # also on the converted norm_out.linear
+ADDITIVE = {"lora", "lora-patterns", "lora-bias", "loha", "lokr"}  # also on the converted norm_out.linear
 WITHOUT_ALPHA = {("lora", "save_lora_weights"), ("dora", "save_lora_weights")}
 
 
@@ -251,7 +250,7 @@ def test_peft_file_on_flux_applies_fully_and_equal_to_peft_merge(kind, save_form
     assert any(not isinstance(to_comfy[n], str) for n in weights)  # row slices of qkv / linear1 among them
     biases = {n: v for n, v in merged.items() if n.endswith(".bias")}
     assert bool(biases) == (kind in ("lora-bias", "ia3"))  # PEFT's merge changes these biases
-    checked = weights if kind == "ia3" else merged  # (IA)³'s bias: the last tests
+    checked = merged
     name = put(loras, written)
 
     _, report = map_file(read(loras / name), patcher, None, reference=False)
@@ -280,8 +279,6 @@ def check_node_result(patcher, name: str, merged: dict, to_comfy: dict, **option
     comfy.model_management.unload_all_models()
 
 
-@pytest.mark.xfail(strict=True, reason="(IA)3 bias: the core's bias part needs nodes/apply.py to pass over layers that "
-                   "have no bias quietly (H3's report to the lead)")
 def test_peft_ia3_scales_each_normal_layers_bias_like_peft_merge(files, flux, loras):
     """PEFT's (IA)³ merge also scales the bias of a layer that is not feed-forward (b' = l·b), also on a row slice
     of qkv / linear1; a feed-forward layer's bias is left as it is."""
@@ -302,8 +299,6 @@ def test_peft_ia3_scales_each_normal_layers_bias_like_peft_merge(files, flux, lo
 CONVERTER_REASON = "ComfyUI stores this parameter converted"
 
 
-@pytest.mark.xfail(strict=True, reason="the refusal belongs in nodes/apply.py find_target (H1's file): proposed in "
-                   "H3's report; today these modules are applied to the converted weight, 9-26% off")
 @pytest.mark.parametrize("kind", ["dora", "oft", "boft", "ia3"])
 def test_adapter_reading_the_weight_is_refused_on_a_converted_weight(kind, flux, loras, tmp_path):
     """norm_out.linear is ComfyUI's final_layer.adaLN_modulation.1 with its two halves swapped by a converter
@@ -323,9 +318,6 @@ def test_adapter_reading_the_weight_is_refused_on_a_converted_weight(kind, flux,
     assert len(report.applied) == 4 * len(params)  # to_q of each double and single block
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="nodes/bypass.py wants_bypass reads the row offset of a "
-                   "converted target that has none (norm_out.linear: (key, None, function)): TypeError in auto and "
-                   "bypass mode (H3's report to H1/the lead)")
 def test_auto_mode_on_flux_merges_a_float_model_like_merge(files, flux, loras):
     """apply_mode auto on a float model merges every layer, as merge does: the same weights as PEFT's merge, the
     converted norm_out.linear included."""
