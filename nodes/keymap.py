@@ -61,13 +61,39 @@ def dit_module_paths(comfy_map: dict) -> list[tuple[str, object]]:
     return paths
 
 
+def _row_slices(comfy_map: dict) -> dict[str, set[tuple[int, int, int]]]:
+    """fused weight key -> the output-row slices ComfyUI's map gives parts of it (Flux's to_q/to_k/to_v in qkv)."""
+    slices: dict[str, set] = {}
+    for target in comfy_map.values():
+        if isinstance(target, tuple) and len(target) == 2 and target[1] is not None and target[1][0] == 0:
+            slices.setdefault(target[0], set()).add(tuple(target[1]))
+    return slices
+
+
+def fused_part_names(comfy_map: dict) -> list[tuple[str, object]]:
+    """`<fused weight's module>.<i>` -> its i-th part, as OneTrainer's OMI format names the parts of a fused weight
+    (`double_blocks.0.img_attn.qkv.0` is to_q). The parts are the finest tiling of the rows by ComfyUI's own slices:
+    from row 0, each part is the shortest slice starting where the previous one ended (so linear1's q, k, v, mlp,
+    not its q+k+v slice)."""
+    names = []
+    for key, slices in _row_slices(comfy_map).items():
+        start, index = 0, 0
+        while parts := [s for s in slices if s[1] == start]:
+            part = min(parts, key=lambda s: s[2])
+            names.append((f"{key[: -len(WEIGHT)]}.{index}", (key, part)))
+            start, index = start + part[2], index + 1
+    return names
+
+
 def diffusion_model_names(model, comfy_map: dict) -> dict:
-    """Every prefixed diffusers/PEFT name of this diffusion model that ComfyUI's map lacks."""
+    """Every prefixed diffusers/PEFT name of this diffusion model that ComfyUI's map lacks, and the indexed names
+    of the parts of its fused weights."""
     unet = unet_module_paths(model)
     candidates = [(prefix + path, key) for path, key in unet.items() for prefix in UNET_PREFIXES]
     if not unet:
         candidates += [(prefix + path, target) for path, target in dit_module_paths(comfy_map)
                        for prefix in DIT_PREFIXES]
+    candidates += fused_part_names(comfy_map)
     return _merged(candidates)
 
 

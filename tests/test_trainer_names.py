@@ -174,15 +174,13 @@ EXPECTED_MISSES = {  # (architecture, module name) -> why it does not map
 # OMI names one part of a fused weight `<fused>.<i>` (Flux's qkv in thirds, linear1 as q, k, v, MLP). ComfyUI's own
 # flux_to_diffusers gives the rows of each part (its diffusers entries to_q, to_k, to_v, proj_mlp), but our key map
 # (nodes/keymap.py) does not yet list those parts by index; until it does, these modules are reported unmatched.
-PENDING_FUSED_PARTS = "nodes/keymap.py does not yet name the parts of a fused weight by index (<fused>.<i>)"
-PENDING = {("flux", "transformer.double_blocks.0.img_attn.qkv.0"), ("flux", "transformer.single_blocks.0.linear1.3")}
 
 
 def _params() -> list:
     params = []
     for entry in NAMES:
         trainer, arch, name = entry[:3]
-        reason = EXPECTED_MISSES.get((arch, name)) or ((arch, name) in PENDING and PENDING_FUSED_PARTS)
+        reason = EXPECTED_MISSES.get((arch, name))
         marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
         params.append(pytest.param(*entry, id=f"{trainer}-{arch}-{name}", marks=marks))
     return params
