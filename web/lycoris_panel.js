@@ -426,6 +426,9 @@ class LycorisPanel {
             box.appendChild(el("div", "lycoris-base", text));
         }
         if (info.made_by?.line) box.appendChild(el("div", "lycoris-base", info.made_by.line));
+        // Where the alpha above comes from (file, PEFT config, patterns), or what was assumed without one.
+        if (info.alpha_from?.line) box.appendChild(el("div", "lycoris-base", info.alpha_from.line));
+        for (const warning of info.warnings || []) box.appendChild(el("div", "lycoris-base", `warning: ${warning}`));
         const training = entries(info.training);
         if (training.length) {
             // Full training metadata as a tooltip: the panel stays small.
