@@ -19,16 +19,19 @@ Truth: the reference's change on the DECODED weight. Formats whose decoded weigh
 rounded to fp8 (plain, scaled and float8 layouts with a power-of-two scale) use the factory's recorded forward;
 mxfp8 and int8 hold the float32 base quantized by ComfyUI's own quantizer, and the truth is the reference's forward
 on that decoded weight. Each cell compares the layer's forward on the factory's probe:
-* bypass and auto (auto bypasses every one of these layers): within 1e-4 of the change, as fp32 maths; on int8,
-  within the format's own floor (ComfyUI's int8 forward of the unpatched layer against its decoded weight);
+* bypass and auto (auto bypasses every one of these layers): within 1e-4 of the change, as fp32 maths; int8 too,
+  well inside the format's own floor (ComfyUI's int8 forward of the unpatched layer against its decoded weight,
+  1–4% of the change): the change is added at the weight cast, and ComfyUI then multiplies in full precision;
 * merge, where ComfyUI re-quantizes W + ΔW (full load; 0.3.75 also when offloaded scaled/quantized layers): every
   element of the weight the forward multiplies is one of the two values of the stored format's grid (with the scale
   ComfyUI picked) around the exact W', so at most one step off (stochastic rounding may pick either neighbour), and
-  the output is that weight's output; where it does not re-quantize, fp32 exact like bypass.
+  the output is that weight's output (int8: within twice its kernel's floor); where it does not re-quantize, fp32
+  exact like bypass.
 Every cell applies every module of the file for that layer.
 """
 
 import dataclasses
+import inspect
 import json
 
 import comfy.model_management
@@ -36,11 +39,15 @@ import comfy.model_patcher
 import comfy.ops
 import comfy.quant_ops
 import pytest
+import test_bypass_nodes
+import test_nodes
 import torch
 import torch.nn.functional as F
 from comfy.quant_ops import QuantizedTensor
 from lycoris_nodes.lycoris_core import load
 from lycoris_nodes.nodes.apply import patched_clone
+from lycoris_nodes.nodes.loaders import LycorisLoader, LycorisLoaderModelOnly
+from node_runner import execute
 from patcher_util import (
     CPU,
     HAS_SCALED_FP8_OPS,
@@ -86,9 +93,12 @@ class Format:
 
 
 def formats() -> list[Format]:
-    rows = [Format(f"fp8_{name}", "plain", dtype, ("linear_b", "conv2d"), base_dtype=dtype) for name, dtype in FP8.items()]
+    """The rows this ComfyUI has: plain fp8 (Linear and 3×3 conv), then its quantized Linear layers."""
+    rows = [Format(f"fp8_{name}", "plain", dtype, ("linear_b", "conv2d"), base_dtype=dtype)
+            for name, dtype in FP8.items()]
     if HAS_SCALED_FP8_OPS:
-        rows += [Format(f"scaled_fp8_{name}", "scaled", dtype, ("linear_b",), base_dtype=dtype) for name, dtype in FP8.items()]
+        rows += [Format(f"scaled_fp8_{name}", "scaled", dtype, ("linear_b",), base_dtype=dtype)
+                 for name, dtype in FP8.items()]
     for name in comfy.quant_ops.QUANT_ALGOS:
         if name.startswith("float8_"):
             dtype = comfy.quant_ops.QUANT_ALGOS[name]["storage_t"]
@@ -373,8 +383,10 @@ def test_cell(reference_files, bases, monkeypatch, fmt_id, name, algo, mode, pat
         print(f"\n{what}: re-quantized, {100 * lost_change(y, truth):.1f}% of the change lost")
     else:
         slack = bias_rounding(layer, x, f"{name}.bias" in targets) * y.numel() ** .5
-        allowed = fp32 + slack + 2 * floor
-        assert error <= allowed, f"{what}: ‖error‖ {error:.3g} > {allowed:.3g} (int8 floor {floor:.3g})"
+        # fp32-exact, int8 included: a change added at the weight cast makes ComfyUI multiply in full precision, so
+        # the int8 kernel's own error (`floor`, 1–4% of the change here) does not apply
+        allowed = fp32 + slack
+        assert error <= allowed, f"{what}: ‖error‖ {error:.3g} > {allowed:.3g} (int8 kernel's floor {floor:.3g})"
 
 
 def test_scaled_fp8_rows_per_version():
@@ -402,3 +414,40 @@ def test_quantized_layers_are_linear_only():
     if HAS_SCALED_FP8_OPS:
         scaled = comfy.ops.scaled_fp8_ops()
         assert scaled.Conv2d is comfy.ops.manual_cast.Conv2d and scaled.Linear is not comfy.ops.manual_cast.Linear
+
+
+# --- the loaders' default apply mode ----------------------------------------------------------------------------------
+
+sd15, loras, kinds = test_nodes.sd15, test_nodes.loras, test_bypass_nodes.kinds  # fixtures
+fp8_models = test_bypass_nodes.fp8_models
+
+
+BLOCKED = pytest.mark.xfail(
+    strict=True, reason="the default stays merge until nodes/bypass.py wants_bypass handles a converted target with no "
+    "row offset (Flux norm_out.linear, test_peft_dit's strict xfail): then set loaders.DEFAULT_APPLY_MODE = 'auto'")
+
+
+@BLOCKED
+@pytest.mark.parametrize("node", [LycorisLoader, LycorisLoaderModelOnly])
+def test_loaders_default_to_auto(node):
+    """The widget's default (what the frontend puts in a new node) and the default an API prompt without the input
+    gets should both be `auto`: exact on quantized layers (the table above), a plain merge elsewhere (issue #15)."""
+    assert node.INPUT_TYPES()["optional"]["apply_mode"][1]["default"] == "auto"
+    assert inspect.signature(node.execute).parameters["apply_mode"].default == "auto"
+
+
+@BLOCKED
+def test_loader_without_apply_mode_bypasses_fp8_layers_and_merges_float_ones(fp8_models, kinds, loras):
+    """A prompt that does not set apply_mode: on the tiny SD1.5 UNet loaded with fp8 weights every patched layer
+    should be bypassed (nothing rounded into fp8); on its float32 copy every patch merged, as `merge` would."""
+    fp8, f32 = fp8_models
+    sd = test_bypass_nodes.fp8_file(kinds)
+    name = test_nodes.write(loras, "default.safetensors", sd)
+    layers = len({k.split(".")[0] for k in sd})
+    out = execute(LycorisLoaderModelOnly, model=fp8, lycoris_name=name, strength_model=1.0, inference=True)
+    assert out.ui["lycoris"][0]["bypassed"] == layers and out.result[0].patches == {}
+    out = execute(LycorisLoaderModelOnly, model=f32, lycoris_name=name, strength_model=1.0, inference=True)
+    merged = execute(LycorisLoaderModelOnly, model=f32, lycoris_name=name, strength_model=1.0, apply_mode="merge",
+                     inference=True)
+    assert out.ui["lycoris"][0]["bypassed"] == 0 and not out.result[0].injections
+    assert set(out.result[0].patches) == set(merged.result[0].patches) and len(merged.result[0].patches) == layers
