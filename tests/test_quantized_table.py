@@ -38,6 +38,8 @@ import comfy.model_management
 import comfy.model_patcher
 import comfy.ops
 import comfy.quant_ops
+import comfy.sd
+import comfy.utils
 import pytest
 import test_bypass_nodes
 import test_nodes
@@ -62,6 +64,7 @@ from patcher_util import (
     set_param,
 )
 from reference.lycoris_factory import LAYER, functional_forward, probe
+from safetensors.torch import save_file
 from test_bypass import CHANGE_TOLERANCE, NOISE, bias_rounding
 from test_bypass_dynamic import (
     HAS_DYNAMIC_VRAM,
@@ -395,8 +398,6 @@ def test_scaled_fp8_rows_per_version():
     if HAS_SCALED_FP8_OPS:
         assert {"scaled_fp8_e4m3fn", "scaled_fp8_e5m2"} <= set(FORMATS)
         return
-    import comfy.utils
-
     assert "quant_float8_e4m3fn" in FORMATS and not any(f.startswith("scaled") for f in FORMATS)
     weight = torch.randn(4, 8).to(torch.float8_e4m3fn)
     checkpoint = {"scaled_fp8": torch.tensor([], dtype=torch.float8_e4m3fn), "layer.weight": weight,
@@ -451,3 +452,46 @@ def test_loader_without_apply_mode_bypasses_fp8_layers_and_merges_float_ones(fp8
                      inference=True)
     assert out.ui["lycoris"][0]["bypassed"] == 0 and not out.result[0].injections
     assert set(out.result[0].patches) == set(merged.result[0].patches) and len(merged.result[0].patches) == layers
+
+
+# --- the loader on a comfy_quant checkpoint, as a prompt runs it -------------------------------------------------------
+
+def comfy_quant_checkpoint(path: str, out: str) -> str:
+    """The tiny SD1.5 checkpoint with every UNet Linear weight stored as comfy_quant float8_e4m3fn (weight / scale in
+    fp8, a power-of-two scale near amax / 448, a per-layer `comfy_quant` entry), as ComfyUI 0.33 saves such models."""
+    sd = comfy.utils.load_torch_file(path)
+    for key in [k for k in sd if k.startswith("model.diffusion_model.") and k.endswith(".weight") and sd[k].ndim == 2]:
+        layer = key.removesuffix(".weight")
+        scale = 2.0 ** torch.ceil(torch.log2(sd[key].float().abs().max() / 448)).item()
+        sd[key] = (sd[key].float() / scale).to(torch.float8_e4m3fn)
+        sd[f"{layer}.weight_scale"] = torch.tensor(scale)
+        sd[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()),
+                                                  dtype=torch.uint8)
+    save_file(sd, out)
+    return out
+
+
+@pytest.mark.xfail(HAS_DYNAMIC_VRAM, strict=True, raises=RuntimeError, reason=(
+    "nodes/report.py _weight_fp32 (the panel's per-block measurement) calls `as_subclass(torch.Tensor)` on the "
+    "fp32 copy of a QuantizedTensor weight, which in inference mode (how ComfyUI runs a prompt) raises 'Cannot set "
+    "version_counter for inference tensor' (H1's file; fix: dequantize a QuantizedTensor instead)"))
+def test_loader_on_a_comfy_quant_checkpoint_in_a_prompt(tmp_path, loras):
+    """LyCORIS Loader (Model Only) on a comfy_quant float8 checkpoint, in inference mode with the panel measured, as
+    a prompt runs it: every module applies, the QuantizedTensor layers in bypass under auto."""
+    if not HAS_DYNAMIC_VRAM:
+        # 0.3.75 reads no per-layer comfy_quant entries (it has no convert_old_quants): no such checkpoint there
+        assert not hasattr(comfy.utils, "convert_old_quants")
+        return
+    path = comfy_quant_checkpoint(str(test_nodes._tiny_sd15_path()), str(tmp_path / "quant.safetensors"))
+    model = comfy.sd.load_checkpoint_guess_config(path, output_vae=False, output_clip=False)[0]
+    unet = model.model.diffusion_model
+    name = "input_blocks.1.1.transformer_blocks.0.attn1.to_q"
+    assert isinstance(unet.get_submodule(name).weight, QuantizedTensor)
+    prefix = "lora_unet_" + name.replace(".", "_")
+    g = torch.Generator().manual_seed(0)
+    sd = {f"{prefix}.lora_down.weight": torch.randn(4, 320, generator=g) * 0.05,
+          f"{prefix}.lora_up.weight": torch.randn(320, 4, generator=g) * 0.05, f"{prefix}.alpha": torch.tensor(4.0)}
+    file = test_nodes.write(loras, "quant.safetensors", sd)
+    out = execute(LycorisLoaderModelOnly, model=model, lycoris_name=file, strength_model=1.0, apply_mode="auto",
+                  inference=True)
+    assert out.ui["lycoris"][0]["bypassed"] == 1 and out.ui["lycoris"][0]["applied"] == 1
