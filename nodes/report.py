@@ -6,6 +6,7 @@ from collections import defaultdict
 import comfy.model_management
 import comfy.model_patcher
 import torch
+from comfy.quant_ops import QuantizedTensor
 
 from ..lycoris_core import change_norms
 from ..lycoris_core.block_weights import BlockWeights
@@ -43,6 +44,8 @@ def _weight_fp32(patcher, applied: Applied) -> torch.Tensor:
     _weight, _set, convert = comfy.model_patcher.get_key_weight(patcher.model, key)
     if gguf.is_packed(weight):
         temp = gguf.decoded(patcher.model.get_submodule(layer_name(key)), weight)
+    elif isinstance(weight, QuantizedTensor):  # a new plain tensor (as_subclass on its copy fails in inference mode)
+        temp = weight.dequantize().to(torch.float32)
     else:
         temp = comfy.model_management.cast_to_device(weight, weight.device, torch.float32, copy=True)
         temp = temp.as_subclass(torch.Tensor)  # a GGUF F16 weight copies as its own class
