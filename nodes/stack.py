@@ -14,6 +14,7 @@ from .apply import apply_file, is_off
 from .cache import load_cached
 from .loaders import (
     CATEGORY,
+    DEFAULT_APPLY_MODE,
     apply_mode_input,
     clip_input,
     lycoris_path,
@@ -109,7 +110,7 @@ class LycorisApplyStack(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, lora_stack, clip=None, strength_mode="linear", apply_mode="merge"):
+    def execute(cls, model, lora_stack, clip=None, strength_mode="linear", apply_mode=DEFAULT_APPLY_MODE):
         reference = strength_mode == "lycoris"
         node = node_key(cls)
         lines = []

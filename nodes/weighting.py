@@ -7,6 +7,7 @@ from .apply import map_file
 from .cache import load_cached
 from .loaders import (
     CATEGORY,
+    DEFAULT_APPLY_MODE,
     apply_mode_input,
     clip_input,
     load_and_apply,
@@ -69,7 +70,7 @@ class LycorisBlockWeights(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, clip, lycoris_name, strength_model, strength_clip, block_weights, preset=CUSTOM,
-                strength_mode="linear", apply_mode="merge"):
+                strength_mode="linear", apply_mode=DEFAULT_APPLY_MODE):
         weights = parse(block_weight_text(preset, block_weights))
         new_model, new_clip, ui = load_and_apply(model, clip, lycoris_name, strength_model, strength_clip,
                                                  strength_mode, weights, apply_mode, node_key(cls))

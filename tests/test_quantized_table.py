@@ -423,12 +423,6 @@ sd15, loras, kinds = test_nodes.sd15, test_nodes.loras, test_bypass_nodes.kinds 
 fp8_models = test_bypass_nodes.fp8_models
 
 
-BLOCKED = pytest.mark.xfail(
-    strict=True, reason="the default stays merge until nodes/bypass.py wants_bypass handles a converted target with no "
-    "row offset (Flux norm_out.linear, test_peft_dit's strict xfail): then set loaders.DEFAULT_APPLY_MODE = 'auto'")
-
-
-@BLOCKED
 @pytest.mark.parametrize("node", [LycorisLoader, LycorisLoaderModelOnly])
 def test_loaders_default_to_auto(node):
     """The widget's default (what the frontend puts in a new node) and the default an API prompt without the input
@@ -437,7 +431,6 @@ def test_loaders_default_to_auto(node):
     assert inspect.signature(node.execute).parameters["apply_mode"].default == "auto"
 
 
-@BLOCKED
 def test_loader_without_apply_mode_bypasses_fp8_layers_and_merges_float_ones(fp8_models, kinds, loras):
     """A prompt that does not set apply_mode: on the tiny SD1.5 UNet loaded with fp8 weights every patched layer
     should be bypassed (nothing rounded into fp8); on its float32 copy every patch merged, as `merge` would."""
@@ -471,10 +464,6 @@ def comfy_quant_checkpoint(path: str, out: str) -> str:
     return out
 
 
-@pytest.mark.xfail(HAS_DYNAMIC_VRAM, strict=True, raises=RuntimeError, reason=(
-    "nodes/report.py _weight_fp32 (the panel's per-block measurement) calls `as_subclass(torch.Tensor)` on the "
-    "fp32 copy of a QuantizedTensor weight, which in inference mode (how ComfyUI runs a prompt) raises 'Cannot set "
-    "version_counter for inference tensor' (H1's file; fix: dequantize a QuantizedTensor instead)"))
 def test_loader_on_a_comfy_quant_checkpoint_in_a_prompt(tmp_path, loras):
     """LyCORIS Loader (Model Only) on a comfy_quant float8 checkpoint, in inference mode with the panel measured, as
     a prompt runs it: every module applies, the QuantizedTensor layers in bypass under auto."""
