@@ -66,6 +66,11 @@ class Applied:
     module: Module
 
 
+def by_count(counter: Counter) -> list[tuple[str, int]]:
+    """Most frequent first, ties by name: the same line for the same model whatever order its layers were met in."""
+    return sorted(counter.items(), key=lambda item: (-item[1], item[0]))
+
+
 @dataclass
 class ApplyReport:
     file: str
@@ -92,7 +97,7 @@ class ApplyReport:
         if self.at_weight_cast:
             bypass += f", {self.at_weight_cast} of them added at the weight cast ({AT_WEIGHT_CAST})"
         if self.bypassed_formats:
-            bypass += "; " + ", ".join(f"{fmt}: {n} bypassed" for fmt, n in self.bypassed_formats.most_common())
+            bypass += "; " + ", ".join(f"{fmt}: {n} bypassed" for fmt, n in by_count(self.bypassed_formats))
         return (f"{self.file}: {len(self.applied)}/{self.total} modules applied"
                 + (f" ({algos}{share}{bypass})" if algos else "") + (f". {self.verdict}" if self.verdict else ""))
 
@@ -105,7 +110,7 @@ class ApplyReport:
         return {"file": self.file, "line": self.line(), "applied": len(self.applied), "total": self.total,
                 "algorithms": dict(self.labels.most_common()), "params_applied": self.params_applied,
                 "params_total": self.params_total, "verdict": self.verdict, "bypassed": self.bypassed,
-                "at_weight_cast": self.at_weight_cast, "bypassed_formats": dict(self.bypassed_formats.most_common()),
+                "at_weight_cast": self.at_weight_cast, "bypassed_formats": dict(by_count(self.bypassed_formats)),
                 "warnings": list(self.warnings),
                 "problems": [list(p) for p in self.problems], "unused_keys": [list(u) for u in self.unused_keys]}
 
@@ -339,7 +344,7 @@ def apply_file(lfile: LycorisFile, model, clip, strength_model: float, strength_
 
 
 def rounded_merge_warning(merged_rounded: Counter, apply_mode: str) -> str:
-    formats = ", ".join(f"{fmt} {n}" for fmt, n in merged_rounded.most_common())
+    formats = ", ".join(f"{fmt} {n}" for fmt, n in by_count(merged_rounded))
     hint = "; apply_mode auto keeps it exact (the change runs in those layers' forward)" if apply_mode == "merge" else ""
     return (f"{sum(merged_rounded.values())} patches were merged into quantized weights ({formats}): the merge "
             f"re-rounds W+ΔW to the stored format, so part of the change is lost{hint}")

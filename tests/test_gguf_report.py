@@ -14,15 +14,15 @@ import comfy.ops
 import comfy.quant_ops
 import comfy.sd
 import comfy.utils
-import folder_paths
 import pytest
+import test_nodes
 import torch
-from comfy.quant_ops import QuantizedTensor
-from lycoris_nodes.nodes import cache
 from lycoris_nodes.nodes.loaders import LycorisLoaderModelOnly
 from node_runner import execute
-from patcher_util import quantized_linear, scaled_fp8_linear
+from patcher_util import comfy_quant_linear, quantized_linear, scaled_fp8_linear
 from test_nodes import PROJ_IN, TO_Q, _tiny_sd15_path, lora, write
+
+loras = test_nodes.loras  # fixture
 
 FP8 = torch.float8_e4m3fn
 # 0.33's comfy_quant formats beyond fp8 (0.3.75 has fp8 layouts only)
@@ -30,23 +30,6 @@ QUANT_ALGOS = getattr(comfy.quant_ops, "QUANT_ALGOS", {})
 HAS_INT8, HAS_MXFP8 = "int8_tensorwise" in QUANT_ALGOS, "mxfp8" in QUANT_ALGOS
 ATTN = "input_blocks.1.1.transformer_blocks.0.attn1"
 TO_K, TO_V, TO_OUT = (f"lora_unet_{ATTN.replace('.', '_')}_{n}" for n in ("to_k", "to_v", "to_out_0"))
-
-
-def comfy_quant_layer(weight: torch.Tensor, bias: torch.Tensor, fmt: str) -> torch.nn.Module:
-    """0.33's Linear in the `comfy_quant` format `fmt`, loaded from a checkpoint-like state dict as ComfyUI loads
-    one (comfy_kitchen quantizes `weight` for it)."""
-    q = QuantizedTensor.from_float(weight.float(), QUANT_ALGOS[fmt]["comfy_tensor_layout"])
-    ops = comfy.ops.mixed_precision_ops({}, compute_dtype=torch.float32, full_precision_mm=True)
-    holder = torch.nn.Module()
-    holder.add_module("layer", ops.Linear(weight.shape[1], weight.shape[0], bias=True))
-    scale = q._params.scale
-    holder.load_state_dict({
-        "layer.weight": q._qdata, "layer.bias": bias.float(),
-        "layer.weight_scale": scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale,
-        "layer.comfy_quant": torch.tensor(list(json.dumps({"format": fmt}).encode()), dtype=torch.uint8),
-    }, strict=True)
-    assert isinstance(holder.layer.weight, QuantizedTensor)
-    return holder.layer.requires_grad_(False)
 
 
 def _swap(unet, path: str, make) -> None:
@@ -70,26 +53,13 @@ def quantized_unet():
     for path, fmt, name, present in ((f"{ATTN}.to_v", "int8_tensorwise", "int8", HAS_INT8),
                                      (f"{ATTN}.to_out.0", "mxfp8", "mxfp8", HAS_MXFP8)):
         if present:
-            _swap(unet, path, lambda w, b, fmt=fmt: comfy_quant_layer(w, torch.zeros(w.shape[0]) if b is None else b,
+            _swap(unet, path, lambda w, b, fmt=fmt: comfy_quant_linear(w, torch.zeros(w.shape[0]) if b is None else b,
                                                                        fmt))
             formats[path] = name
         else:  # 0.3.75 has fp8 layouts only: the layer stays plain fp8
             assert not hasattr(comfy.quant_ops, "TensorWiseINT8Layout")
             formats[path] = "fp8 e4m3fn"
     yield model, formats
-    comfy.model_management.unload_all_models()
-
-
-@pytest.fixture()
-def loras(tmp_path, monkeypatch):
-    folder = tmp_path / "loras"
-    folder.mkdir()
-    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras",
-                        ([str(folder)], folder_paths.supported_pt_extensions))
-    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
-    cache.clear()
-    yield folder
-    cache.clear()
     comfy.model_management.unload_all_models()
 
 
@@ -121,7 +91,7 @@ def test_line_names_each_bypassed_storage_format(mode, quantized_unet, loras):
     expected = _expected_formats(formats)
     assert data["applied"] == data["total"] == 5 and data["bypassed"] == 5, data["line"]
     assert data["bypassed_formats"] == expected
-    listed = ", ".join(f"{fmt}: {n} bypassed" for fmt, n in sorted(expected.items(), key=lambda kv: -kv[1]))
+    listed = ", ".join(f"{fmt}: {n} bypassed" for fmt, n in sorted(expected.items(), key=lambda kv: (-kv[1], kv[0])))
     assert ", 5 in bypass" in data["line"] and data["line"].endswith(f"; {listed})"), data["line"]
     # 0.33 runs the int8 layer without its forward: the line says so before the formats (test_bypass_dynamic.py)
     assert ("1 of them added at the weight cast" in data["line"]) == HAS_INT8
@@ -134,7 +104,7 @@ def test_merge_into_quantized_weights_warns_once(quantized_unet, loras):
     assert data["bypassed"] == 0 and data["bypassed_formats"] == {} and "bypass" not in data["line"]
     rounding = [w for w in data["warnings"] if "re-rounds" in w]
     assert len(rounding) == 1, data["warnings"]
-    listed = ", ".join(f"{fmt} {n}" for fmt, n in sorted(_expected_formats(formats).items(), key=lambda kv: -kv[1]))
+    listed = ", ".join(f"{fmt} {n}" for fmt, n in sorted(_expected_formats(formats).items(), key=lambda kv: (-kv[1], kv[0])))
     assert rounding[0].startswith(f"5 patches were merged into quantized weights ({listed}): the merge re-rounds "
                                   "W+ΔW to the stored format, so part of the change is lost; apply_mode auto keeps "
                                   "it exact"), rounding[0]
