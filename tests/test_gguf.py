@@ -26,11 +26,11 @@ import comfy.model_management
 import folder_paths
 import numpy as np
 import pytest
+import test_nodes
 import torch
 import torch.nn.functional as F
 from comfy_env import REPO_ROOT
 from lycoris import LycorisNetwork, create_lycoris
-from lycoris_nodes.nodes import cache
 from lycoris_nodes.nodes.loaders import LycorisLoaderModelOnly
 from node_runner import execute
 from reference.lycoris_factory import _class_presets_restored, _load_snapshot, _randomise, _snapshot
@@ -38,6 +38,8 @@ from safetensors.torch import load_file, save_file
 from test_nodes import _tiny_sd15_path, sample
 
 import nodes as comfy_nodes  # ComfyUI's nodes.py
+
+loras = test_nodes.loras  # fixture
 
 try:
     import gguf
@@ -321,19 +323,6 @@ def reference(gguf_models, tmp_path_factory):
             made[algo_id] = _make_file(algo_id, gguf_models["F16"], directory)
         return made[algo_id]
     return get
-
-
-@pytest.fixture()
-def loras(tmp_path, monkeypatch):
-    folder = tmp_path / "loras"
-    folder.mkdir()
-    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras",
-                        ([str(folder)], folder_paths.supported_pt_extensions))
-    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
-    cache.clear()
-    yield folder
-    cache.clear()
-    comfy.model_management.unload_all_models()
 
 
 def install(ref: ReferenceFile, folder) -> str:

@@ -55,6 +55,7 @@ from patcher_util import (
     HAS_SCALED_FP8_OPS,
     SCALE,
     assert_rounded_from,
+    comfy_quant_linear,
     full_load,
     lycoris_patches,
     offload,
@@ -119,31 +120,6 @@ CELLS = [pytest.param(fmt.id, layer, algo, mode, path, id=f"{fmt.id}-{layer}-{al
 
 
 # --- ComfyUI's layers --------------------------------------------------------------------------------------------
-
-class ModelConfig:
-    """What `pick_operations` reads of a checkpoint's model config: its per-layer comfy_quant formats."""
-
-    def __init__(self, quant_config: dict):
-        self.quant_config = self.layer_quant_config = quant_config
-
-
-def comfy_quant_linear(weight: torch.Tensor, bias: torch.Tensor, fmt: str) -> torch.nn.Module:
-    """A Linear in a comfy_quant layout as ComfyUI loads it from a checkpoint on this CPU: the ops
-    `pick_operations` chooses for the checkpoint's config, `weight` quantized by comfy_kitchen's own quantizer."""
-    layout = comfy.quant_ops.QUANT_ALGOS[fmt]["comfy_tensor_layout"]
-    q = QuantizedTensor.from_float(weight.float(), layout)
-    ops = comfy.ops.pick_operations(q._qdata.dtype, torch.float32, load_device=CPU,
-                                    model_config=ModelConfig({"layer": {"format": fmt}}))
-    holder = torch.nn.Module()
-    holder.add_module("layer", ops.Linear(weight.shape[1], weight.shape[0], bias=True))
-    scale = q._params.scale
-    holder.load_state_dict({
-        "layer.weight": q._qdata, "layer.bias": bias.float(),
-        "layer.weight_scale": scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale,
-        "layer.comfy_quant": torch.tensor(list(json.dumps({"format": fmt}).encode()), dtype=torch.uint8),
-    }, strict=True)
-    return holder.layer.requires_grad_(False)
-
 
 def plain_fp8_layer(name: str, params: dict, dtype: torch.dtype) -> torch.nn.Module:
     """The factory layer as the `manual_cast` layer ComfyUI builds for an fp8 checkpoint (weight and bias fp8)."""
