@@ -2,7 +2,8 @@
 
 A module's weight is patched by the first algorithm in WEIGHT_ALGORITHMS whose marker key it has; its bias by every
 algorithm in BIAS_ALGORITHMS whose marker it has (PEFT's (IA)³ has both: `ia3_l` also scales a normal layer's bias). PEFT's own OFT, BOFT and (IA)³ come last: their markers (`oft_R`,
-`boft_R`, `ia3_l`) are PEFT's names, which no LyCORIS file uses.
+`boft_R`, `ia3_l`) are PEFT's names, which no LyCORIS file uses; then PEFT's LoRA and OFT on an nn.Embedding
+(`lora_embedding_A/B`, `oft_embedding_R`), names of their own.
 """
 
 import re
@@ -10,7 +11,22 @@ from typing import Any
 
 import torch
 
-from . import boft, full, glora, ia3, kohya_oft, locon, loha, lokr, oft, peft_boft, peft_ia3, peft_lora_bias, peft_oft
+from . import (
+    boft,
+    full,
+    glora,
+    ia3,
+    kohya_oft,
+    locon,
+    loha,
+    lokr,
+    oft,
+    peft_boft,
+    peft_embedding,
+    peft_ia3,
+    peft_lora_bias,
+    peft_oft,
+)
 from .base import Algorithm, Layout, ShapeError, Tensors
 
 WEIGHT_ALGORITHMS: tuple[Algorithm, ...] = (
@@ -29,6 +45,8 @@ WEIGHT_ALGORITHMS: tuple[Algorithm, ...] = (
     peft_oft.OLD_ALGORITHM,  # refused with its reason when the file is loaded
     peft_boft.ALGORITHM,
     peft_ia3.ALGORITHM,
+    peft_embedding.LORA,  # PEFT's adapters on an nn.Embedding: their own key names
+    peft_embedding.OFT,
 )
 BIAS_ALGORITHMS: tuple[Algorithm, ...] = (full.FULL_BIAS, full.NORM_BIAS, peft_lora_bias.ALGORITHM,
                                           peft_ia3.BIAS_ALGORITHM)
@@ -59,7 +77,7 @@ def option_entries(algorithm: Algorithm, options: dict[str, Any], module_name: s
     values = dict(options)
     if algorithm is peft_ia3.ALGORITHM and "feedforward_modules" in options:
         values[peft_ia3.FEEDFORWARD] = is_peft_feedforward(options["feedforward_modules"], module_name)
-    if algorithm is peft_oft.ALGORITHM and options:
+    if peft_oft.OPTION_PREFIX + peft_oft.SERIES_BEFORE_0_18 in algorithm.keys and options:  # PEFT's OFTs
         values[peft_oft.SERIES_BEFORE_0_18] = written_before_0_18(options.get("peft_version"))
     entries = {}
     for key in algorithm.keys:

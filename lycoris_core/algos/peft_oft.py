@@ -66,6 +66,7 @@ class PeftOFTLayout(Layout):
     coft: bool = False
     eps: float = 6e-5
     assumed: tuple[str, ...] = ()  # options not in the file, taken at PEFT's default
+    key: str = OFT_R  # the packed rotations' key (the Embedding's is `oft_embedding_R.weight`)
 
     def resolve(self, weight_shape: tuple[int, ...]) -> Layout:
         flat_in = math.prod(weight_shape[1:]) if len(weight_shape) > 1 else 0
@@ -74,7 +75,7 @@ class PeftOFTLayout(Layout):
         if self.stored_blocks == 1 and flat_in and flat_in % self.block_size == 0:  # block_share
             return replace(self, blocks=flat_in // self.block_size)
         raise ShapeError(f"OFT rotates {self.stored_blocks} blocks of {self.block_size} inputs, the weight's shape "
-                         f"is {list(weight_shape)}", OFT_R)
+                         f"is {list(weight_shape)}", self.key)
 
 
 def block_size_of(elements: int) -> int | None:
@@ -83,16 +84,16 @@ def block_size_of(elements: int) -> int | None:
     return b if b * (b - 1) // 2 == elements and b >= 2 else None
 
 
-def layout(t: Tensors, alpha: float | None) -> Layout:
-    (packed,) = require(t, OFT_R)
+def layout(t: Tensors, alpha: float | None, key: str = OFT_R) -> Layout:
+    (packed,) = require(t, key)
     b = block_size_of(packed.shape[-1]) if packed.ndim == 2 else None
-    expect(b is not None, f"oft_R.weight must be (r, b(b−1)/2), got {list(packed.shape)}", OFT_R)
+    expect(b is not None, f"{key} must be (r, b(b−1)/2), got {list(packed.shape)}", key)
     options, assumed = read_options(t, DEFAULTS)
     terms = int(options["num_cayley_neumann_terms"])
     return PeftOFTLayout(None, 1.0, out=-1, stored_blocks=packed.shape[0], block_size=b,
                          neumann=bool(options["use_cayley_neumann"]), terms=terms, coft=bool(options["coft"]),
                          eps=float(options["eps"]), series_before_0_18=bool(options[SERIES_BEFORE_0_18]),
-                         assumed=assumed)
+                         assumed=assumed, key=key)
 
 
 def skew(packed: torch.Tensor, b: int) -> torch.Tensor:

@@ -1,0 +1,72 @@
+"""PEFT's adapters on an nn.Embedding (a text encoder's `token_embedding`), whose weight is (num_embeddings, dim).
+
+LoRA (`lora_embedding_A` (r, num_embeddings), `lora_embedding_B` (dim, r), stored without `.weight`):
+
+    W' = W + s · (B A)ᵀ = W + s · Aᵀ Bᵀ,   s = alpha / r (alpha / √r with rsLoRA)     (lora/layer.py Embedding)
+
+Additive, at strength m: one addmm_ of the two small factors into W. Its scale: an alpha in the file (rank read from
+A), else the module's PEFT config (r and lora_alpha after rank_pattern/alpha_pattern, use_rslora), given as
+`peft_option.*` entries by algos.option_entries, else alpha = r (s = 1), as diffusers assumes.
+
+OFT (`oft_embedding_R.weight`, packed as PEFT's OFT `oft_R`, see peft_oft.py) rotates the embedding's columns:
+
+    W' = W · blockdiag(R)        (oft/layer.py Embedding.merge: mm(W, R); its Linear merges W · blockdiag(R)ᵀ)
+
+Same rotations, options and linear strength as PEFT's OFT on a Linear; only the side of R differs.
+"""
+
+import functools
+import math
+
+import torch
+
+from . import peft_oft
+from .base import Algorithm, Layout, Tensors, expect, require, rows_2d, scale_from_alpha
+
+LORA_A, LORA_B = "lora_embedding_A", "lora_embedding_B"
+RANK, ALPHA, RSLORA = (peft_oft.OPTION_PREFIX + name for name in ("r", "lora_alpha", "use_rslora"))
+SCALE_OPTIONS = (RANK, ALPHA, RSLORA)
+
+
+def config_scale(t: Tensors) -> float | None:
+    """PEFT's scaling from the config entries: lora_alpha / r, or / √r with rsLoRA; None without both."""
+    if RANK not in t or ALPHA not in t:
+        return None
+    rank, alpha = float(t[RANK]), float(t[ALPHA])
+    rslora = RSLORA in t and bool(t[RSLORA])
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+def lora_layout(t: Tensors, alpha: float | None) -> Layout:
+    down, up = require(t, LORA_A, LORA_B)
+    expect(down.ndim == 2 and up.ndim == 2 and down.shape[0] == up.shape[1] > 0,
+           f"lora_embedding_A {list(down.shape)} does not match lora_embedding_B {list(up.shape)}", LORA_A)
+    rank, num_embeddings, dim = down.shape[0], down.shape[1], up.shape[0]
+    from_config = config_scale(t) if alpha is None else None
+    scale = from_config if from_config is not None else scale_from_alpha(alpha, rank)
+    return Layout(rank, scale, num_embeddings, dim, (num_embeddings, dim))
+
+
+def lora_add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: torch.Tensor) -> None:
+    rows_2d(out).addmm_(t[LORA_A].transpose(0, 1), t[LORA_B].transpose(0, 1), alpha=lay.scale * m)
+
+
+LORA = Algorithm(
+    name="peft-lora-embedding", label="LoRA (PEFT, embedding)", markers=(LORA_A, LORA_B),
+    keys=(LORA_A, LORA_B, *SCALE_OPTIONS), layout=lora_layout, add_into=lora_add_into, layout_only=SCALE_OPTIONS,
+)
+
+
+OFT_R = "oft_embedding_R.weight"
+
+
+def oft_merge_into(t: Tensors, lay: peft_oft.PeftOFTLayout, weight: torch.Tensor, m: float, reference: bool) -> None:
+    rotation = peft_oft.rotations(t[OFT_R], lay).expand(lay.blocks, lay.block_size, lay.block_size)
+    by_r_itself = rotation.transpose(-1, -2)  # rotate_inputs multiplies by Rᵀ, PEFT's Embedding by R
+    peft_oft.merge_rows(weight, m, lambda piece, start: peft_oft.rotate_inputs(piece, by_r_itself))
+
+
+OFT = Algorithm(
+    name="peft-oft-embedding", label="OFT (PEFT, embedding)", markers=(OFT_R,), keys=(OFT_R, *peft_oft.OPTION_KEYS),
+    layout=functools.partial(peft_oft.layout, key=OFT_R), merge_into=oft_merge_into, uses_alpha=False,
+)
