@@ -141,3 +141,18 @@ def test_embedding_adapters_that_do_not_fit_are_refused_naming_file_and_key():
     assert oft.plan_for((100, 16)).layout.blocks == 2  # two blocks of 8 across the 16 columns
     with pytest.raises(LycorisError, match=rf"oft: {prefix}\.oft_embedding_R\.weight: OFT rotates 2 blocks of 8"):
         oft.plan_for((100, 24), file="oft")
+
+
+def test_peft_dora_on_an_embedding_is_refused_naming_file_and_key(tmp_path):
+    """PEFT's DoRA on an Embedding (its magnitude per column of the table) is refused when the file is loaded, with
+    the reason, rather than applied as the LoRA alone; the same file's Linear DoRA alone would load."""
+    from lycoris_nodes.lycoris_core import LycorisError, load
+
+    model = torch.nn.Module()
+    model.token_embedding, model.q_proj = torch.nn.Embedding(100, 16), torch.nn.Linear(16, 16)
+    config = LoraConfig(r=4, lora_alpha=4, use_dora=True, init_lora_weights=False, target_modules=TARGETS)
+    get_peft_model(model, config).save_pretrained(str(tmp_path))
+    path = tmp_path / "adapter_model.safetensors"
+    with pytest.raises(LycorisError, match=r"adapter_model\.safetensors: base_model\.model\.token_embedding\."
+                                           r"lora_magnitude_vector: PEFT's DoRA on an embedding"):
+        load(path)
