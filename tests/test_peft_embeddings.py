@@ -156,3 +156,28 @@ def test_peft_dora_on_an_embedding_is_refused_naming_file_and_key(tmp_path):
     with pytest.raises(LycorisError, match=r"adapter_model\.safetensors: base_model\.model\.token_embedding\."
                                            r"lora_magnitude_vector: PEFT's DoRA on an embedding"):
         load(path)
+
+
+@pytest.mark.parametrize("strength", [1.0, 0.5, -0.5])
+@pytest.mark.parametrize("config", [
+    LoraConfig(r=4, lora_alpha=6, init_lora_weights=False, target_modules=TARGETS),
+    OFTConfig(r=0, oft_block_size=8, init_weights=False, target_modules=TARGETS),
+], ids=["lora", "oft"])
+def test_embedding_adapter_at_any_strength_is_the_linear_share_of_peft_merge(config, strength, tmp_path):
+    """Computed in float64 (no rounding), the patched table at strength m is W + m·(PEFT's merge − W), as for PEFT's other
+    adapters (PEFT defines no strength of its own)."""
+    from lycoris_nodes.lycoris_core import apply, load
+
+    torch.manual_seed(5)
+    model = torch.nn.Module()
+    model.token_embedding, model.q_proj = torch.nn.Embedding(100, 16), torch.nn.Linear(16, 16)
+    wrapped = get_peft_model(model, config)
+    wrapped.save_pretrained(str(tmp_path))
+    lfile = load(tmp_path / "adapter_model.safetensors")
+    assert not lfile.unused and len(lfile.modules) == 2
+    for name, merged in merged_layers(wrapped).items():
+        weight = wrapped.get_submodule(name.removesuffix(".weight")).get_base_layer().weight.detach().double()
+        module = lfile.modules["base_model.model." + name]
+        patched = apply(module.plan_for(tuple(weight.shape)), module.tensors, weight.clone(), strength,
+                        intermediate_dtype=torch.float64)
+        torch.testing.assert_close(patched, weight + strength * (merged - weight), rtol=0, atol=1e-12)
