@@ -4,11 +4,11 @@ LoRA (`lora_embedding_A` (r, num_embeddings), `lora_embedding_B` (dim, r), store
 
     W' = W + s · (B A)ᵀ = W + s · Aᵀ Bᵀ,   s = alpha / r (alpha / √r with rsLoRA)     (lora/layer.py Embedding)
 
-Additive, at strength m: one addmm_ of the two small factors into W. PEFT's DoRA on an Embedding normalises the
-table's columns, an axis our DoRA does not take a PEFT magnitude on: such a file is refused with that reason when it
-is loaded, rather than applied without its magnitude. Its scale: an alpha in the file (rank read from
+Additive, at strength m: one addmm_ of the two small factors into W. Its scale: an alpha in the file (rank read from
 A), else the module's PEFT config (r and lora_alpha after rank_pattern/alpha_pattern, use_rslora), given as
-`peft_option.*` entries by algos.option_entries, else alpha = r (s = 1), as diffusers assumes.
+`peft_option.*` entries by algos.option_entries, else alpha = r (s = 1), as diffusers assumes. PEFT's DoRA on an
+Embedding normalises the table's columns, an axis our DoRA does not take a PEFT magnitude on: such a file is refused
+with that reason when it is loaded, rather than applied without its magnitude.
 
 OFT (`oft_embedding_R.weight`, packed as PEFT's OFT `oft_R`, see peft_oft.py) rotates the embedding's columns:
 
