@@ -35,7 +35,7 @@ from .patch import change
 
 # Algorithms whose change reads the current weight (DoRA is decided by the plan).
 READS_WEIGHT = frozenset({"glora", "ia3", "diag-oft", "oft-diag-v2", "kohya-oft", "boft",
-                          "peft-oft", "peft-boft", "peft-ia3"})
+                          "peft-oft", "peft-boft", "peft-ia3", "peft-oft-embedding"})
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 

@@ -21,7 +21,7 @@ from .errors import LycorisError
 from .keys import ALPHA, DORA_SCALE, PEFT_MAGNITUDE
 
 # Algorithms whose alpha is a scale alpha/r, as PEFT's LoRA, LoHa and LoKr configs define theirs (and LoRA's bias).
-SCALED_BY_ALPHA = frozenset({"locon", "loha", "lokr", "peft-lora-bias"})
+SCALED_BY_ALPHA = frozenset({"locon", "loha", "lokr", "peft-lora-bias", "peft-lora-embedding"})
 
 
 @dataclass(frozen=True)

@@ -111,9 +111,16 @@ def test_peft_adapter_on_the_token_embedding_applies_as_peft_merges_it(case, cli
     original = clip.cond_stage_model.state_dict()[EMBEDDING].double()
     assert (merged[EMBEDDING] - original).abs().max() > 1e-3  # the adapter changes it
 
-    _, report = map_file(read(loras / name), None, clip, reference=False)
+    lfile = read(loras / name)
+    _, report = map_file(lfile, None, clip, reference=False)
     assert report.problems == [] and report.unused_keys == []
     assert sorted(report.applied.values()) == sorted(merged)
+    if case.startswith("lora"):  # the inspector's alpha and the 'alpha = rank assumed' flag, as for the q_proj LoRA
+        embedding = next(m for m in lfile.modules.values() if "token_embedding" in m.prefix)
+        q_proj = next(m for m in lfile.modules.values() if "q_proj" in m.prefix)
+        assumed = case == "lora-save_lora_weights"  # no config anywhere
+        assert embedding.scale_assumed == q_proj.scale_assumed == assumed
+        assert (embedding.alpha is None) == (q_proj.alpha is None) == assumed
 
     _m, patched = run_node(LycorisLoader, model=model, clip=clip, lycoris_name=name, strength_model=0.0,
                            strength_clip=1.0)
