@@ -39,7 +39,7 @@ from lycoris_nodes.nodes.loaders import LycorisLoader
 from lycoris_nodes.nodes.weighting import LycorisBlockInfo, LycorisBlockWeights
 from node_runner import execute
 from patcher_util import assert_rounded_from
-from reference.lycoris_factory import Lazy, _class_presets_restored, _randomise
+from reference.lycoris_factory import Lazy, _class_presets_restored, _randomise, attach, plain_copy
 from safetensors.torch import load_file, save_file
 from test_nodes import TE_Q, TO_Q, lora, weights_after_full_load, write
 
@@ -539,18 +539,6 @@ def effective_weight(layer: torch.nn.Module) -> torch.Tensor:
     return y.transpose(0, 1).flip(2, 3).to(F64)
 
 
-def _plain_copy(layer: torch.nn.Module, weight: torch.Tensor, bias, dtype) -> torch.nn.Module:
-    if isinstance(layer, torch.nn.Linear):
-        out = torch.nn.Linear(layer.in_features, layer.out_features, bias=bias is not None, dtype=dtype)
-    else:
-        out = torch.nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
-                              padding=layer.padding, bias=bias is not None, dtype=dtype)
-    out.weight.data = weight.to(F64).to(dtype).clone()
-    if bias is not None:
-        out.bias.data = bias.to(F64).to(dtype).clone()
-    return out.requires_grad_(False)
-
-
 def make_reference(algo_id: str, model, clip, directory, seed: int = 0) -> ReferenceFile:
     """Builds the lycoris-lora network on float copies of the tiny SD1.5's layers (unet.*, te.*), sets seeded
     parameters, saves the file and renames its modules to the kohya names ComfyUI maps (lycoris_unet_* -> lora_unet_*,
@@ -563,13 +551,8 @@ def make_reference(algo_id: str, model, clip, directory, seed: int = 0) -> Refer
                 for p in TE_LAYERS]
     for side, owner, sd, path in sources:
         key = model_key(f"{side}.{path}")
-        copy = _plain_copy(comfy.utils.get_attr(owner, path), sd[key], sd.get(key[: -len("weight")] + "bias"), dtype)
-        node = root
-        for part in f"{side}.{path}".split(".")[:-1]:
-            if not hasattr(node, part):
-                node.add_module(part, torch.nn.Module())
-            node = getattr(node, part)
-        node.add_module(path.split(".")[-1], copy)
+        copy = plain_copy(comfy.utils.get_attr(owner, path), sd[key], sd.get(key[: -len("weight")] + "bias"), dtype)
+        attach(root, f"{side}.{path}", copy)
         layers[f"{side}.{path}"], w0[f"{side}.{path}"] = copy, sd[key].to(F64).clone()
     with _class_presets_restored():
         LycorisNetwork.apply_preset({"target_module": [], "target_name": [],

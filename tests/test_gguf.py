@@ -33,7 +33,14 @@ from comfy_env import REPO_ROOT
 from lycoris import LycorisNetwork, create_lycoris
 from lycoris_nodes.nodes.loaders import LycorisLoaderModelOnly
 from node_runner import execute
-from reference.lycoris_factory import _class_presets_restored, _load_snapshot, _randomise, _snapshot
+from reference.lycoris_factory import (
+    _class_presets_restored,
+    _load_snapshot,
+    _randomise,
+    _snapshot,
+    attach,
+    plain_copy,
+)
 from safetensors.torch import load_file, save_file
 from test_nodes import _tiny_sd15_path, sample
 
@@ -219,31 +226,14 @@ def test_the_files_hold_what_their_names_say(gguf_models):
 
 # ------------------------------------------------------------------------------------------- reference files
 
-def _plain_copy(layer, weight, bias, dtype) -> torch.nn.Module:
-    if isinstance(layer, torch.nn.Linear):
-        out = torch.nn.Linear(layer.in_features, layer.out_features, bias=bias is not None, dtype=dtype)
-    else:
-        out = torch.nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
-                              padding=layer.padding, bias=bias is not None, dtype=dtype)
-    out.weight.data = weight.to(dtype).clone()
-    if bias is not None:
-        out.bias.data = bias.to(dtype).clone()
-    return out.requires_grad_(False)
-
-
 def _root(model, dtype):
     """float copies of the model's layers holding its dequantized weights, under `unet.<path>` (the names the saved
     file's modules get, renamed to kohya's lora_unet_* below)."""
     root = torch.nn.Module()
     copies = {}
     for path, layer in layers_of(model).items():
-        copy = _plain_copy(layer, dequantized(layer, layer.weight), dequantized(layer, layer.bias), dtype)
-        node = root
-        for part in f"unet.{path}".split(".")[:-1]:
-            if not hasattr(node, part):
-                node.add_module(part, torch.nn.Module())
-            node = getattr(node, part)
-        node.add_module(path.split(".")[-1], copy)
+        copy = plain_copy(layer, dequantized(layer, layer.weight), dequantized(layer, layer.bias), dtype)
+        attach(root, f"unet.{path}", copy)
         copies[path] = copy
     return root, copies
 

@@ -349,6 +349,30 @@ _PRESET_DEFAULTS = {cls: {name: copy.deepcopy(getattr(cls, name)) for name in na
                     for cls, names in _PRESET_ATTRS.items()}
 
 
+def plain_copy(layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
+    """A plain torch Linear/Conv2d shaped like ComfyUI's `layer`, holding `weight`/`bias` in `dtype`: what the
+    reference network wraps to make a file for that layer."""
+    if isinstance(layer, nn.Linear):
+        out = nn.Linear(layer.in_features, layer.out_features, bias=bias is not None, dtype=dtype)
+    else:
+        out = nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
+                        padding=layer.padding, bias=bias is not None, dtype=dtype)
+    out.weight.data = weight.to(dtype).clone()
+    if bias is not None:
+        out.bias.data = bias.to(dtype).clone()
+    return out.requires_grad_(False)
+
+
+def attach(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Put `module` at dotted `path` under `root`, creating empty parents: the module names the saved file gets."""
+    node = root
+    for part in path.split(".")[:-1]:
+        if not hasattr(node, part):
+            node.add_module(part, nn.Module())
+        node = getattr(node, part)
+    node.add_module(path.split(".")[-1], module)
+
+
 @contextlib.contextmanager
 def _class_presets_restored():
     """LyCORIS presets are class attributes that outlive the network: put the defaults back afterwards."""
