@@ -258,6 +258,24 @@ async function checkOtherNodes(page, types, fileName, pageErrors) {
             `${type}: expected 5 problems and "… and 2 more", got ${JSON.stringify(warned.problems)}`,
         );
         check(warned.bars === 1, `${type}: expected 1 bar for the injected report, got ${warned.bars}`);
+
+        // A run that applied everything but had to assume or lose something (report.warnings): amber, shown.
+        const warning = "3 patches were merged into quantized weights (fp8 e4m3fn 3): the merge re-rounds W+ΔW";
+        const assumed = await page.evaluate(
+            ([nodeId, text]) => {
+                const node = window.comfyAPI.app.app.graph.getNodeById(nodeId);
+                node.onExecuted({
+                    lycoris: [{
+                        line: "fp8.safetensors: 3/3 modules applied (LoCon 3)", applied: 3, total: 3, problems: [],
+                        warnings: [text], blocks: [{ name: "input_blocks.1", change: 0.02, modules: 3 }], summary: null,
+                    }],
+                });
+                return window.__lycorisPanelOf(nodeId);
+            },
+            [id, warning],
+        );
+        check(assumed.warn.length === 1, `${type}: a report with warnings is not styled as a warning: ${assumed.text}`);
+        check(assumed.text.includes(warning), `${type}: the report's warning is not shown: ${assumed.text}`);
         await page.evaluate((nodeId) => {
             const graph = window.comfyAPI.app.app.graph;
             graph.remove(graph.getNodeById(nodeId));
