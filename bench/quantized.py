@@ -4,7 +4,8 @@
     python bench/quantized.py --steps 2 --repeats 1  # shorter
 
 The tiny SD1.5 checkpoint (tests' `tiny_sd15`) loaded by ComfyUI with its UNet weights in fp8 e4m3fn (manual_cast
-layers, fp32 compute on the CPU). (A comfy_quant version of it could not be sampled on the CPU: ComfyUI 0.33's
+layers, fp32 compute on the CPU), and its UNet as a GGUF Q4_0 file loaded by the real ComfyUI-GGUF pack (there
+ComfyUI's loader and our merge both go through the pack's run-time patching of the decoded weight). (A comfy_quant version of it could not be sampled on the CPU: ComfyUI 0.33's
 `_quantized_apply` raises "Cannot set version_counter for inference tensor" when KSampler loads it.) Two files covering every
 UNet Linear and Conv weight: LoCon rank 8 and LoCon+DoRA rank 8 (`dora_scale` on the output axis). For each model
 and file, one KSampler run of N euler steps (64×64, cfg 1) with: no adapter, ComfyUI's `LoraLoaderModelOnly`
@@ -35,6 +36,7 @@ from safetensors.torch import save_file
 import nodes as comfy_nodes  # ComfyUI's nodes.py
 
 sys.path.insert(0, str(REPO / "tests"))
+import test_gguf  # the real ComfyUI-GGUF pack, and GGUF files written by its convert.py and gguf-py
 import test_nodes  # the tiny SD1.5 checkpoint
 from node_runner import execute
 
@@ -69,9 +71,24 @@ def adapter_files(unet_sd: dict[str, torch.Tensor], folder: str) -> dict[str, st
     return names
 
 
-def models(steps_path: str) -> dict[str, object]:
+def gguf_model(checkpoint: str, folder: str, qtype: str):
+    """The tiny UNet as a `qtype` GGUF file (the pack's convert.py, re-quantized by gguf-py), loaded by the pack's
+    own UnetLoaderGGUF."""
+    loader = test_gguf._load_pack()
+    f16 = os.path.join(folder, "tiny-F16.gguf")
+    test_gguf.convert_to_f16(checkpoint, f16)
+    test_gguf.requantize(f16, os.path.join(folder, f"tiny-{qtype}.gguf"), qtype)
+    for key in ("diffusion_models", "unet_gguf"):
+        folder_paths.folder_names_and_paths[key] = ([folder], {".gguf"})
+    folder_paths.filename_list_cache.clear()
+    return execute(loader(), unet_name=f"tiny-{qtype}.gguf")[0]
+
+
+def models(steps_path: str, folder: str) -> dict[str, object]:
+    """fp8 first: the adapter files are shaped from its state dict (a GGUF model's holds packed shapes)."""
     return {"fp8 e4m3fn": comfy.sd.load_checkpoint_guess_config(
-        steps_path, output_vae=False, output_clip=False, model_options={"dtype": FP8})[0]}
+        steps_path, output_vae=False, output_clip=False, model_options={"dtype": FP8})[0],
+        "GGUF Q4_0": gguf_model(steps_path, folder, "Q4_0")}
 
 
 def sample(model, steps: int, conds) -> None:
@@ -117,7 +134,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(0)
     conds = ([[torch.randn(1, 77, 768, generator=gen) * 0.5, {}]], [[torch.zeros(1, 77, 768), {}]])
     rows: list[Row] = []
-    loaded = models(path)
+    loaded = models(path, folder)
     files = adapter_files(next(iter(loaded.values())).model.diffusion_model.state_dict(), folder)
     for model_name, model in loaded.items():
         for label, name in files.items():

@@ -58,6 +58,13 @@ def is_plain_float(weight: torch.Tensor) -> bool:
     return type(data) is torch.Tensor and data.dtype in FLOAT_DTYPES
 
 
+def merge_is_exact(weight: torch.Tensor) -> bool:
+    """A merge patches this weight without loss beyond its dtype's rounding: plain float, or any GGUF weight (the
+    GGUF pack applies merged patches to the decoded weight at every forward and never re-quantizes; measured no
+    slower than bypass for LoRA and faster for changes that read W, bench/results-quantized-*.md)."""
+    return is_plain_float(weight) or gguf.is_gguf_tensor(weight)
+
+
 def is_readable(weight: torch.Tensor) -> bool:
     """A weight `float_weight` can read: an ordinary tensor of any float dtype (fp8 included), ComfyUI's
     QuantizedTensor, or a GGUF weight (decoded by the GGUF pack's own cast)."""
@@ -287,9 +294,10 @@ def bypassed_layers(patcher) -> frozenset[str]:
 def wants_bypass(mode: str, layer: torch.nn.Module | None, patch_key, plan,
                  bypassed_before: frozenset[str] = frozenset()) -> bool:
     """Whether this target is bypassed: in bypass mode, every Linear/Conv weight (whole or a row slice of a fused
-    weight); in auto, those whose weight is not plain float (fp8, quantized, GGUF); in merge, none, except a change
-    that reads W on a layer an earlier file bypasses: merged, it would not see that file's change (the weight does
-    not hold it), so it runs after it in the forward instead, as chained merges would order them."""
+    weight); in auto, those a merge could not patch exactly (`merge_is_exact`: fp8, ComfyUI's quantized layouts,
+    tensor types we do not know); in merge, none, except a change that reads W on a layer an earlier file bypasses:
+    merged, it would not see that file's change (the weight does not hold it), so it runs after it in the forward
+    instead, as chained merges would order them."""
     key = patch_key if isinstance(patch_key, str) else patch_key[0]
     if not is_bypassable(plan) or not key.endswith(".weight"):
         return False
@@ -302,7 +310,7 @@ def wants_bypass(mode: str, layer: torch.nn.Module | None, patch_key, plan,
             return False  # ComfyUI's (or the GGUF pack's) own patching decodes that weight; we cannot
         if key in bypassed_before:
             return True
-    return mode == "bypass" or (mode == "auto" and not is_plain_float(layer.weight))
+    return mode == "bypass" or (mode == "auto" and not merge_is_exact(layer.weight))
 
 
 def contribution(adapter, patch_key, strength: float) -> Contribution:

@@ -49,14 +49,15 @@ def mode_input() -> io.Combo.Input:
 # quantized model gets the file as trained without knowing about apply modes, and nothing changes on other models.
 DEFAULT_APPLY_MODE = "auto"
 APPLY_MODE_TOOLTIP = (
-    "'auto' (default) merges every plain fp32/fp16/bf16 layer, exactly as 'merge' does, and bypasses the layers "
-    "whose weights are fp8, quantized (ComfyUI's scaled fp8 and comfy_quant layers) or GGUF, so the change is "
-    "added in full precision and the result is the file as trained (measured on an fp8 model: about 1.1x the "
-    "time of a step for LoRA/LoCon, 2x for DoRA). 'merge' patches the weights: no cost per step, but on an fp8 "
-    "or quantized layer ComfyUI rounds W+ΔW back to the stored format, which loses part of the change (6-50% "
-    "measured, by format). 'bypass' leaves every Linear/Conv weight untouched and adds the adapter in the "
-    "layer's forward: a strength change re-patches nothing. Bypassed changes cost time at every step and are not "
-    "in the weights: use 'merge' for a model you save. Biases and norm layers are always merged."
+    "'auto' (default) bypasses the layers a merge would re-round: fp8 and quantized (ComfyUI's scaled fp8 and "
+    "comfy_quant layers), so the change is added in full precision and the result is the file as trained "
+    "(measured on an fp8 model: about 1.1x the time of a step for LoRA/LoCon, 2x for DoRA); it merges every other "
+    "layer exactly as 'merge' does, GGUF included (the GGUF pack patches the decoded weight, so that is exact). "
+    "'merge' patches the weights: no cost per step, but on an fp8 or quantized layer ComfyUI rounds W+ΔW back to "
+    "the stored format, which loses part of the change (6-50% measured, by format). 'bypass' leaves every "
+    "Linear/Conv weight untouched and adds the adapter in the layer's forward: a strength change re-patches "
+    "nothing. Bypassed changes cost time at every step and are not in the weights: use 'merge' for a model you "
+    "save. Biases and norm layers are always merged."
 )
 
 
