@@ -1,5 +1,15 @@
 """Errors that name the file and the key they are about."""
 
+# A file controls its key names and header text: an error quoting them stays readable (and a 1 MB key name does not
+# end up whole in the UI, the log and every response that carries the error).
+MAX_NAME = 200
+MAX_REASON = 1000
+
+
+def clipped(text: str, limit: int) -> str:
+    """`text`, cut to `limit` characters with the number left out said at the end."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
+
 
 class LycorisError(ValueError):
     """A LyCORIS file, or one module of it, that cannot be applied.
@@ -15,8 +25,9 @@ class LycorisError(ValueError):
         super().__init__(self._render())
 
     def _render(self) -> str:
-        where = ": ".join(part for part in (self.file, self.key) if part)
-        return f"{where}: {self.reason}" if where else self.reason
+        where = ": ".join(clipped(part, MAX_NAME) for part in (self.file, self.key) if part)
+        reason = clipped(self.reason, MAX_REASON)
+        return f"{where}: {reason}" if where else reason
 
     def located(self, *, file: str | None = None, key: str | None = None) -> "LycorisError":
         """The same error with the file/key filled in where they were unknown when it was raised."""

@@ -81,6 +81,8 @@ def detect(group: dict[str, torch.Tensor]) -> list[Algorithm]:
 
 def read_alpha(tensor: torch.Tensor) -> float:
     """alpha is 0-d, shape (1,), any dtype (bf16-rounded values are used as stored, like the reference does)."""
+    if tensor.numel() == 0:
+        raise ShapeError("alpha holds no value (a tensor of 0 elements)", ALPHA)
     return float(tensor.reshape(-1)[0])
 
 
@@ -114,7 +116,10 @@ def build_modules(prefix: str, group: dict[str, torch.Tensor], file: str | None 
     `peft_option.*` entries (algos.option_entries); entries the file holds itself win."""
     per_output = PEFT_MAGNITUDE in group
     group = _with_peft_magnitude(group, file, prefix)
-    alpha = read_alpha(group[ALPHA]) if ALPHA in group else None
+    try:
+        alpha = read_alpha(group[ALPHA]) if ALPHA in group else None
+    except ShapeError as e:
+        raise LycorisError(e.reason, file=file, key=f"{prefix}.{e.key}") from e
     scale = peft_scale(options or {}) if alpha is None else None
     modules, used = [], {ALPHA} if ALPHA in group else set()
     for algorithm in detect(group):

@@ -79,8 +79,8 @@ class SafetensorsFile:
             raw = f.read(header_len)
         try:
             header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise self._error(f"corrupt safetensors header ({e})") from e
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: bad JSON, or a 5000-digit number
+            raise self._error(f"corrupt safetensors header ({type(e).__name__}: {e})") from e
         if not isinstance(header, dict):
             raise self._error("corrupt safetensors header (not a JSON object)")
         metadata = header.pop("__metadata__", None) or {}
@@ -96,7 +96,7 @@ class SafetensorsFile:
             dtype = DTYPES[info["dtype"]]
             shape = tuple(int(d) for d in info["shape"])
             begin, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # OverflowError: a shape of 1e400
             raise self._error(f"corrupt tensor entry {info!r}", key) from e
         entry = TensorEntry(dtype, shape, data_start + begin, data_start + end)
         expected = entry.numel * dtype.itemsize

@@ -360,7 +360,31 @@ def _raw_bytes(path: Path, data: bytes) -> Path:
     return path
 
 
+def _raw_header(path: Path, header: str, data: bytes = b"") -> Path:
+    """A file whose header is this JSON text as written (numbers and nesting no JSON encoder here would write)."""
+    raw = header.encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def _zero_size_alpha(tmp_path):
+    tensors = {"lycoris_x.lora_up.weight": torch.ones(4, 2), "lycoris_x.lora_down.weight": torch.ones(2, 3),
+               "lycoris_x.alpha": torch.ones(0)}
+    return _write(tmp_path, "zero_alpha", tensors), "lycoris_x.alpha"
+
+
+ENTRY = '"dtype": "F32", "shape": [1], "data_offsets": [0, 4]'
 BAD_FILES: dict[str, Callable[[Path], tuple[Path, str | None]]] = {
+    # issue #11's cases that escaped as a bare OverflowError / RecursionError / ValueError / IndexError
+    "shape of 1e400": lambda tmp: (_raw_header(tmp / "huge_shape.safetensors", '{"x.alpha": {"dtype": "F32", '
+                                               '"shape": [1e400], "data_offsets": [0, 4]}}', bytes(4)), "x.alpha"),
+    "header nested 100k deep": lambda tmp: (_raw_header(tmp / "deep.safetensors", '{"x.alpha": {' + ENTRY + '}, '
+                                                        '"__metadata__": {"a": ' + "[" * 100_000 + "]" * 100_000
+                                                        + "}}", bytes(4)), None),
+    "5000-digit integer": lambda tmp: (_raw_header(tmp / "digits.safetensors", '{"x.alpha": {"dtype": "F32", '
+                                                   '"shape": [1], "data_offsets": [0, ' + "9" * 5000 + "]}}",
+                                                   bytes(4)), None),
+    "zero-size alpha": _zero_size_alpha,
     "empty file": lambda tmp: (_raw_bytes(tmp / "empty.safetensors", b""), None),
     "shorter than the header length": lambda tmp: (_raw_bytes(tmp / "short.safetensors", b"\x10\x00\x00"), None),
     "header length past the end": lambda tmp: (_raw_bytes(tmp / "long.safetensors",
@@ -385,6 +409,17 @@ def test_broken_file_is_refused_naming_file_and_key(tmp_path, case_id):
     assert path.name in message
     if key is not None:
         assert key in message
+
+
+def test_error_text_is_bounded_and_still_names_the_file(tmp_path):
+    """A 1 MB key name in a corrupt entry: the error names the file and the start of the key, within a few kB."""
+    key = "lycoris_" + "k" * 1_000_000
+    path = _raw_header(tmp_path / "long_key.safetensors", '{"' + key + '": {"dtype": "F32", "shape": "x"}}')
+    with pytest.raises(LycorisError) as error:
+        lycoris_core.load(path)
+    message = str(error.value)
+    assert message.startswith(f"{path.name}: lycoris_kkk") and len(message) < 2_000, len(message)
+    assert "more characters" in message
 
 
 class _WritesMarker:
