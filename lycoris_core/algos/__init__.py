@@ -1,9 +1,10 @@
 """The algorithm registry, in the reference's detection order (lycoris.modules.get_module): first match wins.
 
 A module's weight is patched by the first algorithm in WEIGHT_ALGORITHMS whose marker key it has; its bias by every
-algorithm in BIAS_ALGORITHMS whose marker it has (PEFT's (IA)³ has both: `ia3_l` also scales a normal layer's bias). PEFT's own OFT, BOFT and (IA)³ come last: their markers (`oft_R`,
-`boft_R`, `ia3_l`) are PEFT's names, which no LyCORIS file uses; then PEFT's LoRA and OFT on an nn.Embedding
-(`lora_embedding_A/B`, `oft_embedding_R`), names of their own.
+algorithm in BIAS_ALGORITHMS whose marker it has (PEFT's (IA)³ has both: `ia3_l` also scales a normal layer's bias).
+PEFT's own OFT, BOFT and (IA)³ come last: their markers (`oft_R`, `boft_R`, `ia3_l`) are PEFT's names, which no
+LyCORIS file uses; then PEFT's LoRA and OFT on an nn.Embedding (`lora_embedding_A/B`, `oft_embedding_R`), names of
+their own.
 """
 
 import re

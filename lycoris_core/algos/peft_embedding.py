@@ -4,9 +4,9 @@ LoRA (`lora_embedding_A` (r, num_embeddings), `lora_embedding_B` (dim, r), store
 
     W' = W + s · (B A)ᵀ = W + s · Aᵀ Bᵀ,   s = alpha / r (alpha / √r with rsLoRA)     (lora/layer.py Embedding)
 
-Additive, at strength m: one addmm_ of the two small factors into W. Its scale: an alpha in the file (rank read from
-A), else the module's PEFT config (r and lora_alpha after rank_pattern/alpha_pattern, use_rslora), given as
-`peft_option.*` entries by algos.option_entries, else alpha = r (s = 1), as diffusers assumes. PEFT's DoRA on an
+Additive, at strength m: one addmm_ of the two small factors into W. Its scale is a PEFT LoRA's: an alpha in the file
+(rank read from A), else the module's PEFT config (module.build_modules, as for every PEFT LoRA: patterns, rsLoRA),
+else alpha = r (s = 1), as diffusers assumes. PEFT's DoRA on an
 Embedding normalises the table's columns, an axis our DoRA does not take a PEFT magnitude on: such a file is refused
 with that reason when it is loaded, rather than applied without its magnitude.
 
@@ -18,7 +18,6 @@ Same rotations, options and linear strength as PEFT's OFT on a Linear; only the 
 """
 
 import functools
-import math
 
 import torch
 
@@ -26,20 +25,9 @@ from . import peft_oft
 from .base import Algorithm, Layout, ShapeError, Tensors, expect, require, rows_2d, scale_from_alpha
 
 LORA_A, LORA_B = "lora_embedding_A", "lora_embedding_B"
-RANK, ALPHA, RSLORA = (peft_oft.OPTION_PREFIX + name for name in ("r", "lora_alpha", "use_rslora"))
-SCALE_OPTIONS = (RANK, ALPHA, RSLORA)
 DORA_SCALE, PEFT_MAGNITUDE = "dora_scale", "lora_magnitude_vector"  # keys.py's (it imports this package)
 DORA_REASON = ("PEFT's DoRA on an embedding (its magnitude scales the table's columns): not supported, the LoRA "
                "without its magnitude would be a different change")
-
-
-def config_scale(t: Tensors) -> float | None:
-    """PEFT's scaling from the config entries: lora_alpha / r, or / √r with rsLoRA; None without both."""
-    if RANK not in t or ALPHA not in t:
-        return None
-    rank, alpha = float(t[RANK]), float(t[ALPHA])
-    rslora = RSLORA in t and bool(t[RSLORA])
-    return alpha / math.sqrt(rank) if rslora else alpha / rank
 
 
 def lora_layout(t: Tensors, alpha: float | None) -> Layout:
@@ -49,9 +37,7 @@ def lora_layout(t: Tensors, alpha: float | None) -> Layout:
     expect(down.ndim == 2 and up.ndim == 2 and down.shape[0] == up.shape[1] > 0,
            f"lora_embedding_A {list(down.shape)} does not match lora_embedding_B {list(up.shape)}", LORA_A)
     rank, num_embeddings, dim = down.shape[0], down.shape[1], up.shape[0]
-    from_config = config_scale(t) if alpha is None else None
-    scale = from_config if from_config is not None else scale_from_alpha(alpha, rank)
-    return Layout(rank, scale, num_embeddings, dim, (num_embeddings, dim))
+    return Layout(rank, scale_from_alpha(alpha, rank), num_embeddings, dim, (num_embeddings, dim))
 
 
 def lora_add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: torch.Tensor) -> None:
@@ -60,7 +46,7 @@ def lora_add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: 
 
 LORA = Algorithm(
     name="peft-lora-embedding", label="LoRA (PEFT, embedding)", markers=(LORA_A, LORA_B),
-    keys=(LORA_A, LORA_B, *SCALE_OPTIONS), layout=lora_layout, add_into=lora_add_into, layout_only=SCALE_OPTIONS,
+    keys=(LORA_A, LORA_B), layout=lora_layout, add_into=lora_add_into,
     supports_dora=True,  # only to see the magnitude and refuse it (lora_layout)
 )
 
