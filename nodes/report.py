@@ -48,7 +48,8 @@ def _weight_fp32(patcher, applied: Applied) -> torch.Tensor:
         temp = weight.dequantize().to(torch.float32)
     else:
         temp = comfy.model_management.cast_to_device(weight, weight.device, torch.float32, copy=True)
-        temp = temp.as_subclass(torch.Tensor)  # a GGUF F16 weight copies as its own class
+        if gguf.is_gguf_tensor(temp):  # a GGUF F16 weight copies as its own class
+            temp = temp.as_subclass(torch.Tensor)
     if convert is not None:
         temp = convert(temp, inplace=True)
     if applied.target.offset is not None:
