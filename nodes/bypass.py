@@ -149,7 +149,8 @@ def float_weight(layer: torch.nn.Module, device: torch.device) -> torch.Tensor:
         convert = getattr(layer, "convert_weight", None)  # 0.3.75's scaled fp8: the cast gives W / scale_weight
         if convert is not None:
             read = convert(read, inplace=False)
-        return cast(read, device, torch.float32).as_subclass(torch.Tensor)  # a GGUF F16 weight reads as its class
+        read = cast(read, device, torch.float32)
+        return read.as_subclass(torch.Tensor) if gguf.is_gguf_tensor(read) else read  # GGUF F16 reads as its class
     finally:
         comfy.ops.uncast_bias_weight(layer, weight, bias, offload)
 
