@@ -80,9 +80,11 @@ def detect(group: dict[str, torch.Tensor]) -> list[Algorithm]:
 
 
 def read_alpha(tensor: torch.Tensor) -> float:
-    """alpha is 0-d, shape (1,), any dtype (bf16-rounded values are used as stored, like the reference does)."""
-    if tensor.numel() == 0:
-        raise ShapeError("alpha holds no value (a tensor of 0 elements)", ALPHA)
+    """alpha is 0-d, shape (1,), any dtype (bf16-rounded values are used as stored, like the reference does).
+    One number, checked from the shape alone: the summary parses on meta tensors, where only one-element scalars
+    carry their values."""
+    if tensor.numel() != 1:
+        raise ShapeError(f"alpha must be one number, got a tensor of shape {list(tensor.shape)}", ALPHA)
     return float(tensor.reshape(-1)[0])
 
 

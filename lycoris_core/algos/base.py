@@ -100,6 +100,15 @@ def expect(condition: bool, reason: str, key: str | None = None) -> None:
         raise ShapeError(reason, key)
 
 
+def scalar(t: Tensors, key: str) -> torch.Tensor:
+    """The one value of a scalar entry (on_input, row_offset, peft_option.*), as a 0-d tensor. Checked from the shape
+    first: a file can hold any shape there, and the summary parses on meta tensors, where only one-element scalars
+    carry a value."""
+    value = t[key]
+    expect(value.numel() == 1, f"{key} must be one number, got a tensor of shape {list(value.shape)}", key)
+    return value.reshape(())
+
+
 def trailing_ones(t: torch.Tensor, start: int) -> bool:
     return all(d == 1 for d in t.shape[start:])
 

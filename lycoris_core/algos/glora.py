@@ -16,12 +16,13 @@ The layouts are told apart by shape. Both can fit a square weight, so the choice
 stands when the patch is computed, so stacked patches apply in order.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..casting import pieces
-from .base import Algorithm, Layout, ShapeError, Tensors, require, rows_2d, scale_from_alpha
+from .base import Algorithm, Layout, ShapeError, Tensors, expect, require, rows_2d, scale_from_alpha
 
 A1, A2, B1, B2 = "a1.weight", "a2.weight", "b1.weight", "b2.weight"
 
@@ -46,12 +47,13 @@ class GLoRALayout(Layout):
         raise ShapeError("; ".join(reasons), A1)
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(t.shape[0], -1)
+def _flat(t: torch.Tensor, key: str) -> torch.Tensor:
+    expect(t.ndim >= 2, f"{key} must have at least 2 dims, got {list(t.shape)}", key)
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))  # not -1: a zero-size factor has no inferable width
 
 
 def layout(t: Tensors, alpha: float | None) -> Layout:
-    a1, a2, b1, b2 = (_flat(x) for x in require(t, A1, A2, B1, B2))
+    a1, a2, b1, b2 = (_flat(x, key) for x, key in zip(require(t, A1, A2, B1, B2), (A1, A2, B1, B2)))
     candidates = []
     if a2.shape[0] == b2.shape[0] == a1.shape[1] == b1.shape[1] and a1.shape[0] == a2.shape[1]:
         rank = a2.shape[0]
@@ -73,7 +75,7 @@ def layout(t: Tensors, alpha: float | None) -> Layout:
 
 
 def add_into(t: Tensors, lay: GLoRALayout, weight: torch.Tensor, m: float, out: torch.Tensor) -> None:
-    a1, a2, b1, b2 = (_flat(t[k]) for k in (A1, A2, B1, B2))
+    a1, a2, b1, b2 = (_flat(t[k], k) for k in (A1, A2, B1, B2))
     first, second, low_left, low_right = (a2, a1, b2, b1) if lay.old else (a1, a2, b1, b2)
     alpha = lay.scale * m
     if all(d == 1 for d in weight.shape[2:]):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Algorithm, Layout, ShapeError, Tensors, require
+from .base import Algorithm, Layout, ShapeError, Tensors, require, scalar
 
 WEIGHT, ON_INPUT = "weight", "on_input"
 
@@ -32,7 +32,7 @@ class IA3Layout(Layout):
 
 def layout(t: Tensors, alpha: float | None) -> Layout:
     (scales,) = require(t, WEIGHT)
-    axis = 1 if bool(t[ON_INPUT].reshape(-1)[0]) else 0
+    axis = 1 if bool(scalar(t, ON_INPUT)) else 0
     return IA3Layout(None, 1.0, out=scales.numel() if axis == 0 else -1, axis=axis, length=scales.numel())
 
 

@@ -86,9 +86,9 @@ def _w2_shape(t: Tensors) -> tuple[tuple[int, ...], int | None]:
     w2a, w2b = require(t, W2A, W2B)
     if T2 in t:
         t2 = t[T2]
-        rank = t2.shape[0]
-        expect(t2.ndim >= 3 and t2.shape[1] == rank and w2a.shape[0] == rank and w2b.shape[0] == rank
-               and w2a.ndim == 2 and w2b.ndim == 2,
+        rank = t2.shape[0] if t2.ndim else -1
+        expect(t2.ndim >= 3 and w2a.ndim == 2 and w2b.ndim == 2 and t2.shape[1] == rank and w2a.shape[0] == rank
+               and w2b.shape[0] == rank,
                f"tucker LoKr factors disagree: t2 {list(t2.shape)}, w2_a {list(w2a.shape)}, w2_b {list(w2b.shape)}", T2)
         return (w2a.shape[1], w2b.shape[1], *t2.shape[2:]), rank
     expect(w2a.ndim == 2 and w2b.ndim == 2 and w2a.shape[1] == w2b.shape[0],

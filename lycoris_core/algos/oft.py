@@ -36,16 +36,18 @@ def _check_rescale(t: Tensors, out: int) -> None:
 
 def layout(t: Tensors, alpha: float | None) -> Layout:
     (blocks,) = require(t, BLOCKS)
+    expect(blocks.ndim == 3 and blocks.shape[2] == blocks.shape[1], f"oft_blocks must be (n, b, b), got "
+           f"{list(blocks.shape)}", BLOCKS)
     n, b = blocks.shape[0], blocks.shape[1]
-    expect(blocks.ndim == 3 and blocks.shape[2] == b, f"oft_blocks must be (n, b, b), got {list(blocks.shape)}", BLOCKS)
     _check_rescale(t, n * b)
     return OFTLayout(None, 1.0, n * b, blocks=n, block_size=b, constraint=(alpha or 0.0) * n * b)
 
 
 def layout_old(t: Tensors, alpha: float | None) -> Layout:
     (rotation,) = require(t, OLD_R)
+    expect(rotation.ndim == 3 and rotation.shape[2] == rotation.shape[1],
+           f"oft_diag must be (n, b, b), got {list(rotation.shape)}", OLD_R)
     n, b = rotation.shape[0], rotation.shape[1]
-    expect(rotation.ndim == 3 and rotation.shape[2] == b, f"oft_diag must be (n, b, b), got {list(rotation.shape)}", OLD_R)
     return OFTLayout(None, 1.0, n * b, blocks=n, block_size=b)
 
 

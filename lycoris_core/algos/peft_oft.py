@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..casting import pieces
-from .base import Algorithm, Layout, ShapeError, Tensors, expect, require, rows_2d
+from .base import Algorithm, Layout, ShapeError, Tensors, expect, require, rows_2d, scalar
 
 OFT_R = "oft_R.weight"
 OPTION_PREFIX = "peft_option."
@@ -51,7 +51,7 @@ def read_options(t: Tensors, defaults: dict[str, float]) -> tuple[dict[str, floa
             values[name] = default
             assumed.append(f"{name}={default}")
         else:
-            values[name] = type(default)(entry.reshape(-1)[0].item())
+            values[name] = type(default)(scalar(t, OPTION_PREFIX + name).item())
     return values, tuple(assumed)
 
 
