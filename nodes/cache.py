@@ -6,11 +6,14 @@ sum of the tensor bytes the cached files hold (each distinct storage once), at m
 than the budget is returned and used but not kept. When the system runs short of memory the least recently used
 entries are dropped before a new one is added, and whenever `trim()` is called.
 
-Tensors are views of a memory map (see lycoris_core/safetensors_file.py), so an entry costs page cache that the OS
-can reclaim rather than anonymous process memory; dropping an entry drops the last reference to its map (unless a
-model still holds one), and the OS may then drop its pages. Adapters already handed to a ModelPatcher keep their own
-references to the tensors they use, so evicting a file never changes a model that is already patched: the memory of
-those tensors is freed when that model is.
+Tensors are views of a map of the file's private snapshot (see lycoris_core/safetensors_file.py: a copy in
+ComfyUI's temp directory that nobody else can write, so a file rewritten after it was read never changes what was
+checked). The cache reports those bytes as `mapped`: they cost page cache that the OS reclaims under pressure (and
+temporary disk space), not process memory. Tensors that are not views of it (a format converter's output, a
+misaligned tensor's copy) are `private`: process memory. The budget bounds both together. Dropping an entry drops
+the last reference to its map (unless a model still holds one), and the copy is then gone. Adapters already handed
+to a ModelPatcher keep their own references to the tensors they use, so evicting a file never changes a model that
+is already patched: the memory of those tensors is freed when that model is.
 
 ComfyUI calls in from the prompt worker thread and from aiohttp handlers, so the table is guarded by a lock. Files are
 read outside the lock: a slow read never blocks a route that only asks for `stats()`.
@@ -25,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import comfy.lora_convert
+import folder_paths
 import psutil
 
 from ..lycoris_core import LycorisFile, SafetensorsFile, parse_state_dict
@@ -35,8 +39,10 @@ log = logging.getLogger("lycoris_nodes")
 MB = 1024 * 1024
 GIB = 1024 * MB
 BUDGET_ENV = "LYCORIS_CACHE_MB"
-_DEFAULT_BUDGET_CAP = 2 * GIB
-_DEFAULT_BUDGET_SHARE = 8  # at most 1/8 of total RAM
+# 1 GiB on a 16 GB machine: a dozen typical LoRAs, or one full-rank file, stay parsed between runs, while a
+# workflow's own model still has the rest. Patched models keep what they use whatever the budget.
+_DEFAULT_BUDGET_CAP = 1 * GIB
+_DEFAULT_BUDGET_SHARE = 16  # at most 1/16 of total RAM
 _FLOOR_CAP = 1 * GIB
 _FLOOR_SHARE = 10  # under pressure while available memory < min(1 GiB, 10% of total)
 
@@ -44,7 +50,9 @@ _FLOOR_SHARE = 10  # under pressure while available memory < min(1 GiB, 10% of t
 @dataclass(frozen=True)
 class CacheStats:
     files: int
-    bytes: int
+    bytes: int  # mapped + private
+    mapped: int  # views of the files' private snapshots: page cache, reclaimable
+    private: int  # process memory
     budget: int
     hits: int
     misses: int
@@ -52,20 +60,27 @@ class CacheStats:
 
     def line(self) -> str:
         return (f"LyCORIS cache: {self.files} {'file' if self.files == 1 else 'files'}, {_mb(self.bytes)} of "
-                f"{_mb(self.budget)}; {self.hits} hits, {self.misses} misses, {self.evictions} evicted")
+                f"{_mb(self.budget)} ({_mb(self.mapped)} mapped, {_mb(self.private)} private); {self.hits} hits, "
+                f"{self.misses} misses, {self.evictions} evicted")
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
 @dataclass(frozen=True)
-class _Entry:
+class Loaded:
+    """A parsed file and what its tensors cost."""
     file: LycorisFile
-    nbytes: int
+    mapped: int
+    private: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.mapped + self.private
 
 
 _lock = threading.Lock()
-_files: "OrderedDict[tuple, _Entry]" = OrderedDict()  # least recently used first
+_files: "OrderedDict[tuple, Loaded]" = OrderedDict()  # least recently used first
 _counts = {"hits": 0, "misses": 0, "evictions": 0}
 
 
@@ -88,7 +103,7 @@ def _parse_budget(value: str) -> int | None:
 
 def budget_bytes() -> int:
     """LYCORIS_CACHE_MB (read on every check, so it can change while ComfyUI runs; 0 keeps nothing), else
-    min(2 GiB, 1/8 of total RAM)."""
+    min(1 GiB, 1/16 of total RAM)."""
     value = os.environ.get(BUDGET_ENV, "").strip()
     parsed = _parse_budget(value) if value else None
     if parsed is not None:
@@ -101,27 +116,57 @@ def _under_pressure() -> bool:
     return memory.available < min(_FLOOR_CAP, memory.total // _FLOOR_SHARE)
 
 
-def file_bytes(file: LycorisFile) -> int:
-    """The bytes of the tensors a parsed file holds, each distinct storage counted once (modules of one key group
-    can share a tensor, and a converted tensor can be a view of another)."""
+def _storages(file: LycorisFile) -> dict[int, int]:
+    """address -> bytes of each distinct storage the file's tensors use (modules of one key group can share a
+    tensor, and a converted tensor can be a view of another)."""
     storages: dict[int, int] = {}
     for module in file.modules.values():
         for tensor in module.tensors.values():
             storage = tensor.untyped_storage()
             if storage.nbytes():
                 storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    return storages
+
+
+def file_bytes(file: LycorisFile) -> int:
+    """The bytes of the tensors a parsed file holds, each distinct storage counted once."""
+    return sum(_storages(file).values())
+
+
+def memory_split(file: LycorisFile, mapped_range: tuple[int, int] | None) -> tuple[int, int]:
+    """(mapped, private) bytes: storages inside the snapshot's map, and the others."""
+    mapped = private = 0
+    for address, nbytes in _storages(file).items():
+        if mapped_range and mapped_range[0] <= address < mapped_range[1]:
+            mapped += nbytes
+        else:
+            private += nbytes
+    return mapped, private
+
+
+def snapshot_dir() -> str:
+    """Where a file's private copy goes: ComfyUI's temp directory (its --temp-directory), on ComfyUI's own disk
+    rather than a /tmp that may be RAM. The copies are unnamed (or deleted on close) and ComfyUI empties the
+    folder at every start anyway."""
+    directory = folder_paths.get_temp_directory()
+    os.makedirs(directory, exist_ok=True)
+    return directory
 
 
 def read(path: str | os.PathLike) -> LycorisFile:
     """Parse and check a file, after ComfyUI's own renames for special formats (BFL control, Wan-Fun, USO)."""
-    reader = SafetensorsFile(path)
+    return read_measured(path).file
+
+
+def read_measured(path: str | os.PathLike) -> Loaded:
+    """`read`, with what the parsed file's tensors cost."""
+    reader = SafetensorsFile(path, snapshot=True, temp_dir=snapshot_dir())
     state_dict = comfy.lora_convert.convert_lora(reader.tensors())
     # Each tensor's pages are released once checked: a file in the cache costs page cache, not resident memory.
     parsed = parse_state_dict(state_dict, reader.name, reader.metadata, checked=reader.release,
                               config=read_config(path, reader.metadata))
     reader.release_all()
-    return parsed
+    return Loaded(parsed, *memory_split(parsed, reader.mapped_range()))
 
 
 def _total_locked() -> int:
@@ -152,9 +197,15 @@ def clear() -> None:
         _files.clear()
 
 
+def _stats_locked() -> CacheStats:
+    mapped = sum(entry.mapped for entry in _files.values())
+    private = sum(entry.private for entry in _files.values())
+    return CacheStats(len(_files), mapped + private, mapped, private, budget_bytes(), **_counts)
+
+
 def stats() -> CacheStats:
     with _lock:
-        return CacheStats(len(_files), _total_locked(), budget_bytes(), **_counts)
+        return _stats_locked()
 
 
 def _sibling_config_stamp(path: str) -> int | None:
@@ -173,8 +224,8 @@ def load_cached(path: str | os.PathLike) -> LycorisFile:
             _files.move_to_end(key)
             _counts["hits"] += 1
             return entry.file
-    parsed = read(path)
-    nbytes = file_bytes(parsed)
+    loaded = read_measured(path)
+    nbytes = loaded.nbytes
     with _lock:
         _counts["misses"] += 1
         entry = _files.get(key)
@@ -186,9 +237,9 @@ def load_cached(path: str | os.PathLike) -> LycorisFile:
         kept = nbytes <= budget_bytes()
         _trim_locked(nbytes if kept else 0)
         if kept:
-            _files[key] = _Entry(parsed, nbytes)
-        current = CacheStats(len(_files), _total_locked(), budget_bytes(), **_counts)
+            _files[key] = loaded
+        current = _stats_locked()
     log.info("LyCORIS cache: read %s (%s)%s; %d files, %s of %s", Path(resolved).name, _mb(nbytes),
              "" if kept else ", not kept: larger than the budget", current.files, _mb(current.bytes),
              _mb(current.budget))
-    return parsed
+    return loaded.file

@@ -43,13 +43,13 @@ def fresh_cache(monkeypatch):
 def reads(monkeypatch):
     """The names of the files `load_cached` actually read, in order."""
     names = []
-    original = cache.read
+    original = cache.read_measured
 
     def counting_read(path):
         names.append(os.path.basename(path))
         return original(path)
 
-    monkeypatch.setattr(cache, "read", counting_read)
+    monkeypatch.setattr(cache, "read_measured", counting_read)
     return names
 
 
@@ -185,16 +185,18 @@ def test_budget_zero_keeps_nothing(tmp_path, reads, monkeypatch):
 
 def test_default_budget_and_a_bad_value(monkeypatch, caplog):
     monkeypatch.setattr(cache.psutil, "virtual_memory", lambda: memory(available=8 * GIB, total=64 * GIB))
-    assert cache.budget_bytes() == 2 * GIB
+    assert cache.budget_bytes() == 1 * GIB
+    monkeypatch.setattr(cache.psutil, "virtual_memory", lambda: memory(available=8 * GIB, total=16 * GIB))
+    assert cache.budget_bytes() == 1 * GIB  # the README's 16 GB machine
     monkeypatch.setattr(cache.psutil, "virtual_memory", lambda: memory(available=3 * GIB, total=8 * GIB))
-    assert cache.budget_bytes() == 1 * GIB  # 1/8 of total RAM when that is smaller
-    monkeypatch.setenv(cache.BUDGET_ENV, "512")
-    assert cache.budget_bytes() == 512 * MB
+    assert cache.budget_bytes() == 512 * MB  # 1/16 of total RAM when that is smaller
+    monkeypatch.setenv(cache.BUDGET_ENV, "300")
+    assert cache.budget_bytes() == 300 * MB
     for bad in ("lots", "-5", "nan"):
         monkeypatch.setenv(cache.BUDGET_ENV, bad)
         with caplog.at_level(logging.WARNING, logger="lycoris_nodes"):
-            assert cache.budget_bytes() == 1 * GIB
-            assert cache.budget_bytes() == 1 * GIB
+            assert cache.budget_bytes() == 512 * MB
+            assert cache.budget_bytes() == 512 * MB
         warnings = [r for r in caplog.records if bad in r.getMessage()]
         assert len(warnings) == 1 and cache.BUDGET_ENV in warnings[0].getMessage()  # once per value, not per load
 
@@ -261,10 +263,12 @@ def test_stats_and_the_log_line(tmp_path, monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("LyCORIS cache:")]
     assert lines == ["LyCORIS cache: read a.safetensors (0.0 MB); 1 files, 0.0 MB of 64.0 MB",
                      "LyCORIS cache: read b.safetensors (0.0 MB); 2 files, 0.0 MB of 64.0 MB"]
-    assert after.to_json() == {"files": 2, "bytes": after.bytes, "budget": 64 * MB, "hits": after.hits,
-                               "misses": after.misses, "evictions": after.evictions}
-    assert after.line() == (f"LyCORIS cache: 2 files, 0.0 MB of 64.0 MB; {after.hits} hits, {after.misses} misses, "
-                            f"{after.evictions} evicted")
+    # plain safetensors files: every tensor is a view of the file's private snapshot, none is process memory
+    assert after.to_json() == {"files": 2, "bytes": after.bytes, "mapped": after.bytes, "private": 0,
+                               "budget": 64 * MB, "hits": after.hits, "misses": after.misses,
+                               "evictions": after.evictions}
+    assert after.line() == (f"LyCORIS cache: 2 files, 0.0 MB of 64.0 MB (0.0 MB mapped, 0.0 MB private); "
+                            f"{after.hits} hits, {after.misses} misses, {after.evictions} evicted")
 
 
 def test_concurrent_loads_keep_the_books_straight(tmp_path, monkeypatch):
