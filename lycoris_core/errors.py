@@ -7,8 +7,10 @@ MAX_REASON = 1000
 
 
 def clipped(text: str, limit: int) -> str:
-    """`text`, cut to `limit` characters with the number left out said at the end."""
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
+    """`text`, cut to `limit` characters with the number left out said at the end. A lone surrogate (JSON allows
+    "\udfff" in a key) is written as its escape: the text must encode as UTF-8 wherever it is logged or sent."""
+    text = text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class LycorisError(ValueError):

@@ -88,19 +88,26 @@ def check_values(state_dict: Mapping[str, torch.Tensor], file: str | None = None
     `checked(tensor)` is called after each tensor passes (the reader releases its pages there)."""
     for key, tensor in state_dict.items():
         if tensor.is_floating_point() and tensor.numel() and not all_finite(tensor):
-            bad = int((~torch.isfinite(tensor)).sum())
+            bad = sum(int((~torch.isfinite(part.float())).sum()) for part in tensor.reshape(-1).split(_FP8_SLICE))
             raise LycorisError(f"{bad} of {tensor.numel()} values are NaN or Inf; the file is damaged", file=file,
                                key=key)
         if checked is not None:
             checked(tensor)
 
 
+def metadata_json(metadata: Mapping[str, str], key: str):
+    """A metadata value that holds JSON, parsed; None when it is absent or is not JSON Python can read back (bad
+    syntax, nested past the recursion limit, a number of more than 4300 digits). For values that only describe a
+    file (trigger words, training settings): what cannot be read is left out, never a reason to refuse the file."""
+    try:
+        return json.loads(metadata.get(key) or "null")
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError, as is the digit limit
+        return None
+
+
 def software_name(metadata: Mapping[str, str]) -> str | None:
     """The `software` name ai-toolkit's get_meta_for_safetensors writes (a JSON object), or None."""
-    try:
-        software = json.loads(metadata.get("software") or "null")
-    except json.JSONDecodeError:
-        return None
+    software = metadata_json(metadata, "software")
     return software.get("name") if isinstance(software, dict) else None
 
 
@@ -130,7 +137,10 @@ def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state
         raise LycorisError("the file holds no tensors", file=name)
     check_values(state_dict, name, checked)
     if config is None:
-        config = from_metadata(metadata or {})
+        try:
+            config = from_metadata(metadata or {})
+        except LycorisError as e:
+            raise e.located(file=name) from e
     groups, unused = group_keys(state_dict, name)
     modules: dict[str, Module] = {}
     for prefix, group in groups.items():
@@ -150,10 +160,11 @@ def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state
     return LycorisFile(name, modules, unused, dict(metadata or {}), warnings)
 
 
-def load(path: str | os.PathLike) -> LycorisFile:
-    """Read and check a .safetensors file (memory-mapped; tensors stay views of the file until patched). A PEFT
-    file's config comes from its metadata, else from the adapter_config.json beside it."""
-    reader = SafetensorsFile(path)
+def load(path: str | os.PathLike, temp_dir: str | os.PathLike | None = None) -> LycorisFile:
+    """Read and check a .safetensors file: its tensors are views of a private snapshot of it (see
+    safetensors_file.py), so a later change to the file never reaches what was checked. A PEFT file's config comes
+    from its metadata, else from the adapter_config.json beside it."""
+    reader = SafetensorsFile(path, snapshot=True, temp_dir=temp_dir)
     config = read_config(path, reader.metadata)
     parsed = parse_state_dict(reader.tensors(), reader.name, reader.metadata, checked=reader.release, config=config)
     reader.release_all()

@@ -13,6 +13,7 @@ the file's component prefix and a PeftModel's `base_model.model.` are removed be
 """
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -35,14 +36,68 @@ class PeftConfig:
     components: dict[str, dict[str, Any]]  # component prefix ("" when unprefixed) -> that component's config
 
 
+_MAX_CONFIG_CHARS = 16 * 1024 * 1024  # PEFT writes a few kB; a file this big is not a config
+
+
 def _parse_json(text: str, source: str) -> dict[str, Any]:
+    """The config object; LycorisError with `source` as the key (the caller knows the file)."""
     try:
         parsed = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise LycorisError(f"the PEFT config is not valid JSON ({e})", file=source) from e
+    except (ValueError, RecursionError) as e:  # bad JSON, nested past the recursion limit, a 5000-digit number
+        raise LycorisError(f"the PEFT config is not valid JSON ({type(e).__name__}: {e})", key=source) from e
     if not isinstance(parsed, dict):
-        raise LycorisError("the PEFT config is not a JSON object", file=source)
+        raise LycorisError("the PEFT config is not a JSON object", key=source)
     return parsed
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_pattern_table(value, check) -> bool:
+    if value is None:
+        return True
+    if not isinstance(value, dict):
+        return False
+    for pattern, entry in value.items():
+        try:
+            re.compile(pattern)
+        except re.error:
+            return False
+        if not check(entry):
+            return False
+    return True
+
+
+# What the options the pack reads must be, as PEFT writes them (None: PEFT's own "not set").
+_OPTION_CHECKS = {
+    "r": lambda v: _is_number(v) and v >= 0,  # OFT with oft_block_size writes r = 0
+    "lora_alpha": lambda v: v is None or _is_number(v),
+    "alpha": lambda v: v is None or _is_number(v),
+    "use_rslora": lambda v: v is None or isinstance(v, bool),
+    "rank_pattern": lambda v: _is_pattern_table(v, lambda r: _is_number(r) and r >= 0),
+    "alpha_pattern": lambda v: _is_pattern_table(v, _is_number),
+    "feedforward_modules": lambda v: v is None or isinstance(v, str) or (
+        isinstance(v, list) and all(isinstance(name, str) for name in v)),
+    "peft_version": lambda v: v is None or isinstance(v, str),
+    "use_cayley_neumann": lambda v: v is None or isinstance(v, bool),
+    "num_cayley_neumann_terms": lambda v: v is None or (_is_number(v) and v == int(v) and 0 <= v <= 100),
+    "coft": lambda v: v is None or isinstance(v, bool),
+    "eps": lambda v: v is None or _is_number(v),
+}
+
+
+def _checked(components: dict[str, dict[str, Any]], source: str) -> dict[str, dict[str, Any]]:
+    """Refuse, at load, a config whose values the scale or an algorithm would choke on when a patch is built."""
+    for component, config in components.items():
+        if not isinstance(config, dict):
+            raise LycorisError(f"the PEFT config of '{component}' is not an object", key=source)
+        for option, check in _OPTION_CHECKS.items():
+            if option in config and not check(config[option]):
+                name = f"{component}.{option}" if component else option
+                raise LycorisError(f"the PEFT config's '{name}' is not what PEFT writes there (a number, flag, "
+                                   f"name list or table of valid regular expressions)", key=source)
+    return components
 
 
 def _split_components(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -62,7 +117,7 @@ def from_metadata(metadata: Mapping[str, str], source: str = METADATA_KEY) -> Pe
     text = metadata.get(METADATA_KEY)
     if not text:
         return None
-    return PeftConfig(source, _split_components(_parse_json(text, source)))
+    return PeftConfig(source, _checked(_split_components(_parse_json(text, source)), source))
 
 
 def from_sibling(path: str | os.PathLike) -> PeftConfig | None:
@@ -70,15 +125,27 @@ def from_sibling(path: str | os.PathLike) -> PeftConfig | None:
     config_path = os.path.join(os.path.dirname(os.fspath(path)), CONFIG_FILE)
     if not os.path.isfile(config_path):
         return None
-    with open(config_path, encoding="utf-8") as f:
-        return PeftConfig(config_path, {"": _parse_json(f.read(), config_path)})
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            text = f.read(_MAX_CONFIG_CHARS + 1)
+    except (OSError, UnicodeDecodeError) as e:  # its text would quote the byte: name the problem only
+        raise LycorisError(f"cannot read the PEFT config ({type(e).__name__})", key=CONFIG_FILE) from e
+    if len(text) > _MAX_CONFIG_CHARS:
+        raise LycorisError(f"the PEFT config is larger than {_MAX_CONFIG_CHARS} characters", key=CONFIG_FILE)
+    return PeftConfig(config_path, _checked({"": _parse_json(text, CONFIG_FILE)}, CONFIG_FILE))
 
 
 def read_config(path: str | os.PathLike | None, metadata: Mapping[str, str]) -> PeftConfig | None:
-    """The metadata's config first (it travels with the file), else adapter_config.json beside `path`."""
-    found = from_metadata(metadata)
-    if found is None and path is not None:
-        found = from_sibling(path)
+    """The metadata's config first (it travels with the file), else adapter_config.json beside `path`. A config
+    that cannot be read is a LycorisError naming the file and where the config is."""
+    try:
+        found = from_metadata(metadata)
+        if found is None and path is not None:
+            found = from_sibling(path)
+    except LycorisError as e:
+        if path is None:
+            raise
+        raise e.located(file=os.path.basename(os.fspath(path))) from e
     return found
 
 

@@ -5,7 +5,6 @@ Tensor data is not read except the tiny `alpha`, `on_input` and `row_offset` sca
 tensors of the right shapes, with the same detection and layout code that patching uses.
 """
 
-import json
 import math
 import re
 from collections import Counter
@@ -14,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .algos.base import ShapeError
-from .errors import LycorisError
+from .errors import MAX_NAME, LycorisError, clipped
 from .keys import ALPHA, DORA_SCALE, OMI_PREFIXES
-from .lycoris_file import group_keys, scale_warnings, software_name
+from .lycoris_file import group_keys, metadata_json, scale_warnings, software_name
 from .module import Module, build_modules
 from .peft_config import PATTERN_KEYS, PeftConfig, module_name, module_options, read_config
 from .safetensors_file import SafetensorsFile
@@ -157,20 +156,22 @@ def _dora_axis(scale: torch.Tensor | None) -> str | None:
 def trigger_words(metadata: dict[str, str], top: int = 8) -> list[str]:
     """modelspec.trigger_phrase first, then the most frequent training tags (kohya ss_tag_frequency)."""
     words = [w.strip() for w in metadata.get("modelspec.trigger_phrase", "").split(",") if w.strip()]
-    try:
-        frequency = json.loads(metadata.get("ss_tag_frequency") or "{}")
-    except json.JSONDecodeError:
-        frequency = {}
+    frequency = metadata_json(metadata, "ss_tag_frequency")
     counts: Counter = Counter()
     for tags in frequency.values() if isinstance(frequency, dict) else ():
         if isinstance(tags, dict):
-            counts.update({str(tag).strip(): int(n) for tag, n in tags.items() if str(n).isdigit()})
+            counts.update({str(tag).strip(): n for tag, n in tags.items() if _is_count(n)})
     for tag, _n in counts.most_common():
         if len(words) >= top:
             break
         if tag and tag not in words:
             words.append(tag)
     return words
+
+
+def _is_count(value) -> bool:
+    """A tag count as kohya writes it: a non-negative JSON integer."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def infer_family(in_features: dict[str, int | None]) -> str | None:
@@ -313,7 +314,11 @@ def _alpha_from(config: PeftConfig | None, sources: Counter, metadata: dict[str,
 
 
 def summarize(path) -> FileSummary:
-    reader = SafetensorsFile(path)
+    with SafetensorsFile(path) as reader:  # reads the header and the scalars the layouts need, nothing else
+        return _summarize(path, reader)
+
+
+def _summarize(path, reader: SafetensorsFile) -> FileSummary:
     config = read_config(path, reader.metadata)  # the loader's own source of a PEFT file's alpha
     groups, unknown = group_keys(_shape_only(reader), reader.name)
     modules: list[ModuleSummary] = []
@@ -321,15 +326,22 @@ def summarize(path) -> FileSummary:
     alpha_sources: Counter = Counter()
     built_modules: list[Module] = []
     unused = len(unknown)
+    damaged: list[tuple[str, str]] = []
     for prefix, group in groups.items():
         options = module_options(config, prefix)
         try:
             built, leftover = build_modules(prefix, group, reader.name, options, module_name(config, prefix))
-        except (LycorisError, ShapeError):
-            unused += len(group)  # a damaged module: loading reports it in full
+        except LycorisError as e:
+            unused += len(group)  # a damaged module: loading refuses the file, the summary says which
+            damaged.append((e.key or prefix, e.reason))
+            continue
+        except ShapeError as e:
+            unused += len(group)
+            damaged.append((f"{prefix}.{e.key}" if e.key else prefix, e.reason))
             continue
         if any(m.alpha is not None and not math.isfinite(m.alpha) for m in built):
-            unused += len(group)  # a NaN/Inf alpha is damage: loading refuses it, the summary leaves it out
+            unused += len(group)
+            damaged.append((f"{prefix}.alpha", "alpha is NaN or Inf"))
             continue
         unused += len(leftover)
         modules += [_module_summary(f"{prefix}.{m.param}", m, _alpha_used(m, options, ALPHA in group)) for m in built]
@@ -338,10 +350,7 @@ def summarize(path) -> FileSummary:
         alpha_sources.update("file" if ALPHA in group else "assumed" if m.scale_assumed else "config"
                              for m in built if m.alpha is not None or m.scale_assumed)
     meta = reader.metadata
-    try:
-        lycoris_config = json.loads(meta["lycoris_config"]) if "lycoris_config" in meta else None
-    except json.JSONDecodeError:
-        lycoris_config = None
+    lycoris_config = metadata_json(meta, "lycoris_config")
     ranks = [m.rank for m in modules if m.rank is not None]
     dora_axes = {m.dora_axis for m in modules if m.dora_axis}
     return FileSummary(
@@ -359,8 +368,17 @@ def summarize(path) -> FileSummary:
         training={label: meta[key] for key, label in TRAINING_KEYS.items() if meta.get(key)},
         lycoris_config=lycoris_config, metadata_count=len(meta), unused_keys=unused,
         made_by=made_by(list(reader.entries), meta), alpha_from=_alpha_from(config, alpha_sources, meta),
-        warnings=scale_warnings(reader.name, built_modules, meta), modules=modules,
+        warnings=_damage_warnings(damaged) + scale_warnings(reader.name, built_modules, meta), modules=modules,
     )
+
+
+def _damage_warnings(damaged: list[tuple[str, str]]) -> list[str]:
+    """One line for the modules loading refuses, so a damaged file never reads as a file of fewer modules."""
+    if not damaged:
+        return []
+    (key, reason), more = damaged[0], len(damaged) - 1
+    return [f"{len(damaged)} damaged {'module' if len(damaged) == 1 else 'modules'}: the loader refuses this file "
+            f"('{clipped(key, MAX_NAME)}': {clipped(reason, 300)}" + (f"; and {more} more)" if more else ")")]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -8,7 +8,7 @@ import comfy.model_patcher
 import torch
 from comfy.quant_ops import QuantizedTensor
 
-from ..lycoris_core import change_norms
+from ..lycoris_core import LycorisError, change_norms
 from ..lycoris_core.block_weights import BlockWeights
 from ..lycoris_core.blocks import block_of
 from ..lycoris_core.summary import summarize
@@ -113,5 +113,11 @@ def patchers_of(model, clip) -> dict:
 def payload(path, report: ApplyReport, blocks: list[dict] | None) -> dict:
     data = report.to_json()
     data["blocks"] = blocks
-    data["summary"] = summarize(path).to_json()
+    try:
+        data["summary"] = summarize(path).to_json()
+    except LycorisError as e:
+        # The file was applied from its checked snapshot; the summary reads the file again, which may have changed
+        # (or be one it cannot describe) since. The patch stands: say why the description is missing.
+        data["summary"] = None
+        data["warnings"] = [*data.get("warnings", []), f"no summary: {e}"]
     return data
