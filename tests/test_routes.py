@@ -1,15 +1,22 @@
 """GET /lycoris/info?name=<file>: the handler on mocked requests, and the route in a real aiohttp app.
 
 Only names ComfyUI lists for the loras folders are served, pickles are never opened, and errors are JSON naming the file.
-(The route on the real ComfyUI server is checked in tests/e2e/test_info_route.py.)
+The work runs off the event loop: a slow parse does not stall the app's other routes, a burst is answered (200 or
+503, bounded), and a file read again unchanged is not parsed again.
+(The route on the real ComfyUI server is checked in tests/e2e/test_info_route.py and test_route_server.py.)
 """
 
 import asyncio
 import json
 import pickle
+import shutil
+import threading
+import time
+import urllib.request
 from pathlib import Path
 from urllib.parse import quote
 
+import aiohttp
 import folder_paths
 import pytest
 import test_nodes
@@ -17,8 +24,9 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from lycoris_nodes.lycoris_core.summary import summarize
+from safetensors.torch import save_file
 from lycoris_nodes.nodes import routes
-from test_nodes import TO_Q, lora, write
+from test_nodes import TE_Q, TO_Q, lora, write
 
 loras = test_nodes.loras  # fixture: an empty loras folder that ComfyUI lists
 
@@ -179,3 +187,179 @@ def test_route_in_an_aiohttp_app(loras):
     assert ok[0] == 200 and ok[1]["name"] == name and ok[1]["trigger_words"] == ["lycotest"]
     assert traversal[0] == 404 and pickled[0] == 400 and missing[0] == 404
     assert post[0] == 405
+
+
+# --- Off the event loop, bounded, and cheap on repeats ---------------------------------------------------------------
+
+# Tiny LoRA modules (up, down, alpha: ~108k tensors): summarize takes ~3 s on this 2-core machine (10 s with both cores
+# busy elsewhere), so "the other route answered while this parsed" is real.
+SLOW_MODULES = 36_000
+
+
+def answers_during_parse(latencies: list[float], parse_seconds: float) -> None:
+    """The other route kept answering while the file was parsed. Its latency is not zero: Python's full garbage
+    collections, which the parse's ~500k new objects set off a few times, hold the GIL ~0.3-0.5 s each (1-1.5 s with
+    both cores busy elsewhere) and stop every thread. So the bound is relative: without the fix the first answer
+    waits for the whole parse; with it, no answer takes half of it (and never more than a few GC pauses)."""
+    assert len(latencies) >= 3, f"only {len(latencies)} answers during a {parse_seconds:.1f} s parse: {latencies}"
+    assert max(latencies) < parse_seconds / 2, f"an answer took {max(latencies):.2f} s of a {parse_seconds:.1f} s parse"
+
+
+def slow_lora_file(tmp_path_factory) -> Path:
+    """One slow-to-summarize file per session (also used by tests/e2e/test_route_server.py); ~3 s to write."""
+    path = tmp_path_factory.getbasetemp() / "slow_lora.safetensors"
+    if not path.exists():
+        sd = {}
+        for i in range(SLOW_MODULES):
+            prefix = f"lora_unet_slow_{i}"
+            sd.update({f"{prefix}.lora_up.weight": torch.zeros(1, 1), f"{prefix}.lora_down.weight": torch.zeros(1, 1),
+                       f"{prefix}.alpha": torch.tensor(1.0)})
+        partial = path.with_suffix(".part")
+        save_file(sd, str(partial))
+        partial.rename(path)  # complete or absent: a crashed session never leaves a half file to reuse
+    return path
+
+
+@pytest.fixture(scope="session")
+def slow_file(tmp_path_factory) -> Path:
+    return slow_lora_file(tmp_path_factory)
+
+
+class Watched:
+    """summarize, counting its calls and telling when one is running (so a test knows the parse is under way)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.started, self.ended = threading.Event(), threading.Event()
+        self.seconds = None
+
+    def __call__(self, path):
+        self.calls += 1
+        self.started.set()
+        start = time.monotonic()
+        try:
+            return summarize(path)
+        finally:
+            self.seconds = time.monotonic() - start
+            self.ended.set()
+
+
+@pytest.fixture
+def watched(monkeypatch) -> Watched:
+    spy = Watched()
+    monkeypatch.setattr(routes, "summarize", spy)
+    return spy
+
+
+async def ping(request: web.Request) -> web.Response:
+    """Stands in for ComfyUI's /system_stats: a route that does no file work."""
+    return web.json_response({"ok": True})
+
+
+def app() -> web.Application:
+    table = web.RouteTableDef()
+    routes.register(table)
+    application = web.Application()
+    application.add_routes(table)
+    application.router.add_get("/ping", ping)
+    return application
+
+
+def ping_while_parsing(watched: Watched, url: str) -> list[float]:
+    """From another thread, from the parse's start to its end: how long each /ping took (answered during the parse)."""
+    assert watched.started.wait(60), "the parse never started"
+    latencies = []
+    while not watched.ended.is_set():
+        start = time.monotonic()
+        with urllib.request.urlopen(url, timeout=60) as response:
+            assert json.loads(response.read()) == {"ok": True}
+        latencies.append(time.monotonic() - start)
+        time.sleep(0.05)
+    return latencies
+
+
+def test_a_slow_parse_does_not_stall_other_routes(loras, slow_file, watched):
+    name = Path(shutil.copy(slow_file, loras)).name
+
+    async def scenario():
+        async with TestClient(TestServer(app())) as client:
+            slow = asyncio.create_task(client.get("/lycoris/info", params={"name": name}))
+            latencies = await asyncio.to_thread(ping_while_parsing, watched, str(client.make_url("/ping")))
+            response = await slow
+            return latencies, response.status, await response.json()
+
+    latencies, status, body = asyncio.run(scenario())
+    answers_during_parse(latencies, watched.seconds)
+    assert status == 200 and body["name"] == name and body["module_count"] == SLOW_MODULES
+
+
+def test_a_burst_is_answered_bounded_and_the_server_answers_after(loras, slow_file, watched):
+    """200 concurrent requests for a slow file: WORKERS + QUEUED are taken and share one read, the rest are refused
+    with a JSON 503 while that read still runs (not after it); /ping answers meanwhile; the server answers after."""
+    name = Path(shutil.copy(slow_file, loras)).name
+    taken = routes.WORKERS + routes.QUEUED
+
+    async def scenario():
+        connector = aiohttp.TCPConnector(limit=0)  # 200 connections at once, not the client's default 100
+        async with TestClient(TestServer(app()), connector=connector,
+                              timeout=aiohttp.ClientTimeout(total=60)) as client:
+            async def one():
+                response = await client.get("/lycoris/info", params={"name": name})
+                return response.status, await response.json()
+
+            burst = [asyncio.create_task(one()) for _ in range(200)]
+            pending = set(burst)
+            while len(pending) > taken:  # every refusal is in: was the read still running?
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            refused_while_reading = not watched.ended.is_set()
+            pinged = await client.get("/ping")
+            ping = (pinged.status, not watched.ended.is_set())
+            answers = await asyncio.gather(*burst)
+            after = await client.get("/lycoris/info", params={"name": name})
+            return answers, refused_while_reading, ping, (after.status, await after.json())
+
+    answers, refused_while_reading, ping, after = asyncio.run(scenario())
+    statuses = [status for status, _ in answers]
+    assert sorted(set(statuses)) == [200, 503], statuses
+    served = [body for status, body in answers if status == 200]
+    busy = [body for status, body in answers if status == 503]
+    assert len(served) == taken and len(busy) == 200 - taken
+    assert all(set(body) == {"error"} and "busy" in body["error"] for body in busy)
+    assert refused_while_reading, "the refusals waited for the read"
+    assert ping == (200, True)  # answered while the read ran
+    assert all(body == served[0] for body in served) and served[0]["module_count"] == SLOW_MODULES
+    assert after == (200, served[0])
+    assert watched.calls == 1  # the requests taken shared one read, and the one after reused it
+
+
+def test_an_unchanged_file_is_parsed_once_and_a_changed_one_again(loras, watched):
+    name = write(loras, "style.safetensors", lora(TO_Q, 320, 320, seed=1), SD_META)
+    first = get_name(name)
+    assert get_name(name)[:2] == first[:2] and watched.calls == 1
+    write(loras, name, {**lora(TO_Q, 320, 320, seed=1), **lora(TE_Q, 768, 768, seed=2)}, SD_META)
+    status, body, _ = get_name(name)
+    assert watched.calls == 2 and status == 200 and body["module_count"] == 2
+    (loras / "adapter_config.json").write_text("{not json")  # the sibling PEFT config is part of what is read
+    status, body, _ = get_name(name)
+    assert watched.calls == 3 and status == 422 and "adapter_config.json" in body["error"]
+
+
+def test_a_file_rewritten_during_its_read_is_read_again(loras, watched, monkeypatch):
+    """The answer read while the file changed is not kept: the next request reads the new file."""
+    name = write(loras, "style.safetensors", lora(TO_Q, 320, 320, seed=1))
+
+    def rewritten_during_read(path):
+        summary = watched(path)
+        if watched.calls == 1:
+            write(loras, name, {**lora(TO_Q, 320, 320, seed=1), **lora(TE_Q, 768, 768, seed=2)})
+        return summary
+
+    monkeypatch.setattr(routes, "summarize", rewritten_during_read)
+    assert get_name(name)[1]["module_count"] == 1
+    assert get_name(name)[1]["module_count"] == 2 and watched.calls == 2
+
+
+def test_same_file_under_two_names_keeps_each_name(loras, watched):
+    name = write(loras, "style.safetensors", lora(TO_Q, 320, 320, seed=1))
+    (loras / "alias.safetensors").symlink_to(loras / name)
+    assert get_name(name)[1]["name"] == name and get_name("alias.safetensors")[1]["name"] == "alias.safetensors"
