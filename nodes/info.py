@@ -7,7 +7,7 @@ from comfy_api.latest import io
 from ..lycoris_core.summary import summarize
 from . import cache
 from .apply import map_file
-from .loaders import CATEGORY, lycoris_input, lycoris_path
+from .loaders import CATEGORY, fingerprint_by_file, lycoris_input, lycoris_path
 from .report import block_changes, patchers_of, payload
 
 
@@ -43,6 +43,8 @@ class LycorisInfo(io.ComfyNode):
                                          "per-block change. Empty object when no model or clip is connected."),
             ],
         )
+
+    fingerprint_inputs = classmethod(fingerprint_by_file)
 
     @classmethod
     def execute(cls, lycoris_name, model=None, clip=None, strength=1.0):

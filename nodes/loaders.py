@@ -1,8 +1,11 @@
 """The loader nodes: LyCORIS Loader and LyCORIS Loader (Model Only)."""
 
+import os
+
 import folder_paths
 from comfy_api.latest import io
 
+from ..lycoris_core.peft_config import CONFIG_FILE
 from .apply import apply_file, is_off, map_file
 from .bypass import MODES
 from .cache import load_cached
@@ -77,6 +80,29 @@ def lycoris_path(lycoris_name: str) -> str:
     return folder_paths.get_full_path_or_raise("loras", lycoris_name)
 
 
+def file_stamp(lycoris_name) -> str:
+    """What changes when the file, or the adapter_config.json beside it, is rewritten (size and mtime of both)."""
+    path = folder_paths.get_full_path("loras", lycoris_name) if isinstance(lycoris_name, str) else None
+    if path is None:
+        return "missing"  # validation says so; nothing to read
+    stamps = []
+    for part in (path, os.path.join(os.path.dirname(path), CONFIG_FILE)):
+        try:
+            st = os.stat(part)
+        except OSError:
+            stamps.append("-")
+        else:
+            stamps.append(f"{st.st_size}:{st.st_mtime_ns}")
+    return "|".join(stamps)
+
+
+def fingerprint_by_file(cls, lycoris_name=None, **_inputs) -> str:
+    """A node's `fingerprint_inputs`: ComfyUI re-runs a node whose fingerprint changed even when its inputs did
+    not, so a file rewritten under the same name (a retrained LoRA) is read and checked again on the next run
+    instead of the old result being served from ComfyUI's cache."""
+    return file_stamp(lycoris_name)
+
+
 def panel_ui(path: str, report, model, clip, strength_model: float, strength_clip: float, weights=None) -> dict:
     """The panel's payload: coverage, per-block change (when cheap enough on every run) and the file summary.
     Not measured (blocks None, the reason in `not_measured`) for a large file, or when dynamic VRAM loading keeps
@@ -142,6 +168,8 @@ class LycorisLoader(io.ComfyNode):
             hidden=[io.Hidden.unique_id],
         )
 
+    fingerprint_inputs = classmethod(fingerprint_by_file)
+
     @classmethod
     def execute(cls, model, clip, lycoris_name, strength_model, strength_clip, strength_mode="linear",
                 apply_mode=DEFAULT_APPLY_MODE):
@@ -171,6 +199,8 @@ class LycorisLoaderModelOnly(io.ComfyNode):
             outputs=[io.Model.Output(display_name="MODEL", tooltip="The patched diffusion model.")],
             hidden=[io.Hidden.unique_id],
         )
+
+    fingerprint_inputs = classmethod(fingerprint_by_file)
 
     @classmethod
     def execute(cls, model, lycoris_name, strength_model, strength_mode="linear", apply_mode=DEFAULT_APPLY_MODE):

@@ -12,7 +12,7 @@ from ..lycoris_core import LycorisError
 from ..lycoris_core.block_weights import BlockWeights, parse
 from .apply import by_block_weight, log, patcher_patches
 from .cache import load_cached
-from .loaders import CATEGORY, lycoris_input, lycoris_path, strength_input
+from .loaders import CATEGORY, fingerprint_by_file, lycoris_input, lycoris_path, strength_input
 from .weighting import BLOCK_WEIGHTS_TOOLTIP
 
 Hooks = io.Custom("HOOKS")
@@ -70,6 +70,8 @@ class LycorisHook(io.ComfyNode):
             ],
             outputs=[Hooks.Output(display_name="HOOKS", tooltip="The hook group, with this file added.")],
         )
+
+    fingerprint_inputs = classmethod(fingerprint_by_file)
 
     @classmethod
     def execute(cls, lycoris_name, strength_model, strength_clip, block_weights="default=1", prev_hooks=None):

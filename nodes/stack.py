@@ -17,6 +17,7 @@ from .loaders import (
     DEFAULT_APPLY_MODE,
     apply_mode_input,
     clip_input,
+    file_stamp,
     lycoris_path,
     mode_input,
     model_clip_outputs,
@@ -67,6 +68,11 @@ def parse_rows(text: str) -> list[StackRow]:
     return rows
 
 
+def fingerprint_by_stack(cls, stack="", **_inputs) -> str:
+    """`fingerprint_by_file` for every file the stack names (see loaders.py)."""
+    return "\n".join(file_stamp(line.split("|")[0].strip()) for line in str(stack).splitlines() if line.strip())
+
+
 class LycorisStack(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -83,6 +89,8 @@ class LycorisStack(io.ComfyNode):
             ],
             outputs=[LoraStack.Output(display_name="LORA_STACK", tooltip="The stack: incoming rows, then these.")],
         )
+
+    fingerprint_inputs = classmethod(fingerprint_by_stack)
 
     @classmethod
     def execute(cls, stack, lora_stack=None):

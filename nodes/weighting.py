@@ -10,6 +10,7 @@ from .loaders import (
     DEFAULT_APPLY_MODE,
     apply_mode_input,
     clip_input,
+    fingerprint_by_file,
     load_and_apply,
     lycoris_input,
     lycoris_path,
@@ -68,6 +69,8 @@ class LycorisBlockWeights(io.ComfyNode):
             hidden=[io.Hidden.unique_id],
         )
 
+    fingerprint_inputs = classmethod(fingerprint_by_file)
+
     @classmethod
     def execute(cls, model, clip, lycoris_name, strength_model, strength_clip, block_weights, preset=CUSTOM,
                 strength_mode="linear", apply_mode=DEFAULT_APPLY_MODE):
@@ -100,6 +103,8 @@ class LycorisBlockInfo(io.ComfyNode):
             outputs=[io.String.Output(display_name="blocks",
                                       tooltip="One line per block: name, modules, change at this strength.")],
         )
+
+    fingerprint_inputs = classmethod(fingerprint_by_file)
 
     @classmethod
     def execute(cls, lycoris_name, model, clip=None, strength=1.0, block_weights="default=1"):
