@@ -8,7 +8,7 @@ mapping, checks and adapters as the loaders; ComfyUI then scales them by the key
 import comfy.hooks
 from comfy_api.latest import io
 
-from ..lycoris_core import LycorisError
+from ..lycoris_core import LycorisError, LycorisFile
 from ..lycoris_core.block_weights import BlockWeights, parse
 from .apply import by_block_weight, log, patcher_patches
 from .cache import load_cached
@@ -20,24 +20,27 @@ HookKeyframes = io.Custom("HOOK_KEYFRAMES")
 
 
 class LycorisWeightHook(comfy.hooks.WeightHook):
-    """A WeightHook whose patches are our adapters, built for whichever model it is registered on."""
+    """A WeightHook whose patches are our adapters, built for whichever model it is registered on. It holds the file
+    as checked when the hook node ran (its private snapshot), not a path: what registers at sampling is what was
+    checked, even if the file on disk changed since (the node runs again on the next queue when it does)."""
 
-    def __init__(self, strength_model=1.0, strength_clip=1.0, path: str = "", block_weights: BlockWeights = None):
+    def __init__(self, strength_model=1.0, strength_clip=1.0, file: LycorisFile | None = None,
+                 block_weights: BlockWeights = None):
         super().__init__(strength_model=strength_model, strength_clip=strength_clip)
-        self.path = path
+        self.file = file
         self.block_weights = block_weights or BlockWeights()
         self.need_weight_init = False
 
     def clone(self):
         c = super().clone()
-        c.path, c.block_weights = self.path, self.block_weights
+        c.file, c.block_weights = self.file, self.block_weights
         return c
 
     def add_hook_patches(self, model, model_options, target_dict, registered):
         if not self.should_register(model, model_options, target_dict, registered):
             return False
         is_clip = target_dict.get("target") == comfy.hooks.EnumWeightTarget.Clip
-        patches, report = patcher_patches(load_cached(self.path), model, is_clip, reference=False)
+        patches, report = patcher_patches(self.file, model, is_clip, reference=False)
         if not report.applied and not is_clip:
             raise LycorisError("none of its modules fit this model", file=report.file)
         if report.problems:
@@ -75,10 +78,9 @@ class LycorisHook(io.ComfyNode):
 
     @classmethod
     def execute(cls, lycoris_name, strength_model, strength_clip, block_weights="default=1", prev_hooks=None):
-        path = lycoris_path(lycoris_name)
-        load_cached(path)  # refuse a damaged file now, not in the middle of sampling
+        file = load_cached(lycoris_path(lycoris_name))  # a damaged file is refused now, not in the middle of sampling
         group = prev_hooks.clone() if prev_hooks is not None else comfy.hooks.HookGroup()
-        group.add(LycorisWeightHook(strength_model, strength_clip, path, parse(block_weights)))
+        group.add(LycorisWeightHook(strength_model, strength_clip, file, parse(block_weights)))
         return io.NodeOutput(group)
 
 

@@ -157,3 +157,13 @@ def test_a_stack_whose_file_changed_runs_again(loras, tmp_path):
     before = LycorisStack.fingerprint_inputs(stack=stack)
     rewrite_in_place(loras / name, file_bytes(lora(TO_Q, 320, 320, seed=9), tmp=tmp_path))
     assert LycorisStack.fingerprint_inputs(stack=stack) != before
+
+
+def test_a_hook_registers_the_file_as_checked_when_its_node_ran(loras, tmp_path):
+    sd = lora(TO_Q, 320, 320, seed=10)
+    name = write(loras, "hooked.safetensors", sd)
+    (hooks,) = execute(LycorisHook, lycoris_name=name, strength_model=1.0, strength_clip=1.0).result
+    rewrite_in_place(loras / name, file_bytes(nan_version(sd), tmp=tmp_path))  # before sampling registers it
+    (hook,) = hooks.hooks
+    registered = hook.file.modules[f"{TO_Q}.weight"].tensors["lora_up.weight"]
+    assert torch.equal(registered, sd[f"{TO_Q}.lora_up.weight"])
