@@ -34,15 +34,24 @@ def get(server, path: str) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-def place(server, source: Path) -> str:
-    """A copy of the file in the server's loras folder, under a name no other test (or kept answer) has used."""
-    name = f"{source.stem}_{uuid.uuid4().hex[:8]}.safetensors"
-    shutil.copy(source, server.base_dir / "models" / "loras" / name)
-    return name
+@pytest.fixture
+def loras(server):
+    """The session server's loras folder; what a test puts there is removed after it (the server is shared)."""
+    folder = server.base_dir / "models" / "loras"
+    before = set(folder.iterdir())
+    yield folder
+    for path in set(folder.iterdir()) - before:
+        path.unlink()
 
 
-def test_system_stats_answers_while_a_file_is_parsed(server, tmp_path_factory):
-    name = place(server, slow_lora_file(tmp_path_factory))
+def fresh_name(stem: str) -> str:
+    """A name no other test (or answer the route kept) has used."""
+    return f"{stem}_{uuid.uuid4().hex[:8]}.safetensors"
+
+
+def test_system_stats_answers_while_a_file_is_parsed(server, loras, tmp_path_factory):
+    name = fresh_name("slow_lora")
+    shutil.copy(slow_lora_file(tmp_path_factory), loras / name)
     read = {}
 
     def read_info():
@@ -87,11 +96,11 @@ def rewrite_in_place(path: Path, contents: list[bytes], stop: threading.Event) -
     return count
 
 
-def test_file_rewritten_in_place_while_read(server):
+def test_file_rewritten_in_place_while_read(server, loras):
     """Reads race rewrites of the same file: every answer is its summary or a 422 naming it, and the server lives."""
     contents = [lora_bytes(3000, 64), lora_bytes(10, 8), b"\x40\x00\x00\x00\x00\x00\x00\x00{not a header"]
-    name = f"rewritten_{uuid.uuid4().hex[:8]}.safetensors"
-    path = server.base_dir / "models" / "loras" / name
+    name = fresh_name("rewritten")
+    path = loras / name
     path.write_bytes(contents[0])
     stop, answers, failures, rewrites = threading.Event(), [], [], []
 
