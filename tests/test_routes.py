@@ -24,8 +24,8 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from lycoris_nodes.lycoris_core.summary import summarize
-from safetensors.torch import save_file
 from lycoris_nodes.nodes import routes
+from safetensors.torch import save_file
 from test_nodes import TE_Q, TO_Q, lora, write
 
 loras = test_nodes.loras  # fixture: an empty loras folder that ComfyUI lists
