@@ -39,3 +39,31 @@ def test_loading_keeps_checked_pages_out_of_the_process(tmp_path):
     gen = torch.Generator().manual_seed(0)
     expected = sum(float(torch.randn(OUT, IN, generator=gen).half().float().sum()) for _ in range(MODULES))
     assert checksum == expected
+
+
+def test_many_files_in_the_cache_cost_page_cache_not_process_memory(tmp_path, monkeypatch):
+    """Issue #11: 50 files through the default budget grew the process by up to 492 MB, and the cache's report could
+    not tell mapped pages from process memory. Both are measured here: resident set and the report's split."""
+    from lycoris_nodes.nodes import cache
+
+    monkeypatch.delenv(cache.BUDGET_ENV, raising=False)
+    cache.clear()
+    gen = torch.Generator().manual_seed(1)
+    paths = []
+    for i in range(50):
+        tensors = {}
+        for j in range(16):
+            tensors[f"lora_unet_b{j}.lora_up.weight"] = torch.randn(1024, 16, generator=gen)
+            tensors[f"lora_unet_b{j}.lora_down.weight"] = torch.randn(16, 1024, generator=gen)
+            tensors[f"lora_unet_b{j}.alpha"] = torch.tensor(8.0)
+        paths.append(tmp_path / f"f{i}.safetensors")
+        save_file(tensors, str(paths[-1]))
+    total = sum(p.stat().st_size for p in paths)  # 100 MB
+    before = _rss()
+    for path in paths:
+        cache.load_cached(path)
+    grown = _rss() - before
+    stats = cache.stats()
+    assert stats.files == 50 and stats.mapped == stats.bytes > total * 0.99 and stats.private == 0
+    assert grown < total / 4, f"50 cached files kept {grown / MB:.0f} MB of {total / MB:.0f} MB resident"
+    cache.clear()
