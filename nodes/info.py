@@ -10,6 +10,31 @@ from .apply import map_file
 from .loaders import CATEGORY, fingerprint_by_file, lycoris_input, lycoris_path
 from .report import block_changes, patchers_of, payload
 
+# What a person reads first, in this order; the long lists come last, one entry per line.
+_FIRST = ("line", "verdict", "applied", "total", "warnings", "not_listed")
+_LISTS = ("problems", "unused_keys", "blocks")
+
+
+def coverage_json(panel: dict) -> str:
+    """The coverage output: JSON that reads top down. A file made for another model stops at the verdict: listing
+    each of its (hundreds of) modules as 'no such weight' says nothing more, and the full list stays in the node's
+    UI output (`lycoris`), for machines."""
+    report = {k: v for k, v in panel.items() if k != "summary"}
+    if report.get("verdict"):
+        report["not_listed"] = (f"{len(report.get('problems') or [])} modules and {len(report.get('unused_keys') or [])}"
+                                " unused keys: the file is for another model (full list in the node's UI output)")
+        for name in _LISTS:
+            report.pop(name, None)
+    ordered = {k: report[k] for k in _FIRST if k in report} | {k: v for k, v in report.items() if k not in _FIRST}
+    lines = []
+    for key, value in ordered.items():
+        if key in _LISTS and isinstance(value, list) and value:
+            items = ",\n".join(f"  {json.dumps(item, ensure_ascii=False)}" for item in value)
+            lines.append(f" {json.dumps(key)}: [\n{items}\n ]")
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value, ensure_ascii=False)}")
+    return "{\n" + ",\n".join(lines) + "\n}"
+
 
 class LycorisInfo(io.ComfyNode):
     @classmethod
@@ -39,8 +64,11 @@ class LycorisInfo(io.ComfyNode):
                                  tooltip="Trigger words (modelspec trigger phrase, then the most frequent training "
                                          "tags), comma-separated, ready to join into a prompt."),
                 io.String.Output(display_name="coverage",
-                                 tooltip="JSON: modules applied and not applied (with reasons), parameter share, "
-                                         "per-block change. Empty object when no model or clip is connected."),
+                                 tooltip="JSON that reads top down: the coverage line, the verdict, counts, then "
+                                         "each module that did not apply (with its reason), unused keys and the "
+                                         "per-block change. A file made for another model stops at the verdict "
+                                         "(the full list stays in the node's UI output). Empty object when no "
+                                         "model or clip is connected."),
             ],
         )
 
@@ -56,7 +84,7 @@ class LycorisInfo(io.ComfyNode):
             _patches, report = map_file(cache.load_cached(path), model, clip, reference=False)
             blocks = block_changes(report, patchers_of(model, clip), {"model": strength, "clip": strength})
             panel = payload(path, report, blocks)
-            coverage_text = json.dumps({k: v for k, v in panel.items() if k != "summary"}, indent=1)
+            coverage_text = coverage_json(panel)
         cache_stats = cache.stats()  # after load_cached, so a file read by this run is counted
         return io.NodeOutput(f"{summary.text()}\n{cache_stats.line()}", ", ".join(summary.trigger_words),
                              coverage_text, ui={"lycoris": [panel], "cache": [cache_stats.to_json()]})

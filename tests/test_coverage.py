@@ -199,8 +199,10 @@ def test_file_for_sdxl_through_info_gives_the_verdict(sd15, loras):
     cov = json.loads(coverage)
     assert cov["verdict"] == VERDICT and cov["applied"] == 0 and cov["total"] == 16
     assert cov["line"] == f"{name}: 0/16 modules applied. {VERDICT}"
-    assert cov["blocks"] == [] and len(cov["problems"]) == 16
-    assert panel(ui)["verdict"] == VERDICT
+    # says so and stops (issue #12: 63 lines of JSON for 12 modules, thousands for a real Flux file) ...
+    assert list(cov)[:2] == ["line", "verdict"] and "problems" not in cov and "blocks" not in cov
+    assert cov["not_listed"].startswith("16 modules and 0 unused keys") and len(coverage.splitlines()) <= 20
+    assert panel(ui)["verdict"] == VERDICT and len(panel(ui)["problems"]) == 16  # ... the full list is kept
     assert "base model: sdxl_base_v1-0 (declared), SDXL (from key names)" in text
     assert model.patches == {} and clip.patcher.patches == {}
 
