@@ -208,7 +208,7 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)  # bitwise: NaN payloads and -0.0 compare as stored
 
 
-@settings(BUDGET, max_examples=250)
+@settings(BUDGET, max_examples=600)
 @given(data=mutated_files())
 def test_header_parser_parses_or_names_the_file(data):
     with tempfile.TemporaryDirectory() as folder:
@@ -237,7 +237,7 @@ def test_header_parser_parses_or_names_the_file(data):
         del reader, tensors
 
 
-@settings(BUDGET, max_examples=120)
+@settings(BUDGET, max_examples=400)
 @given(data=mutated_files())
 def test_loader_and_summary_parse_or_name_the_file(data):
     with tempfile.TemporaryDirectory() as folder:
@@ -296,7 +296,7 @@ def weight_shapes(module) -> list[tuple[int, ...]]:
     return [s for s in shapes if all(d > 0 for d in s) and math.prod(s) <= 1 << 16]  # models have no empty weights
 
 
-@settings(BUDGET, max_examples=300)
+@settings(BUDGET, max_examples=400)
 @given(state_dict=key_groups(), meta=metadata(), strength=st.sampled_from([1.0, 0.5, -1.0]))
 def test_detection_parses_or_names_file_and_key(state_dict, meta, strength):
     parsed, error = outcome(parse_state_dict, state_dict, FILE, meta)
@@ -314,7 +314,7 @@ def test_detection_parses_or_names_file_and_key(state_dict, meta, strength):
             assert patched.shape == weight.shape, name
 
 
-@settings(BUDGET, max_examples=200)
+@settings(BUDGET, max_examples=400)
 @given(state_dict=key_groups())
 def test_detection_on_meta_tensors_agrees_with_real_ones(state_dict):
     """The summary parses modules on meta tensors (shapes only; one-element scalars it reads, SCALAR_SUFFIXES,
@@ -339,7 +339,7 @@ def test_detection_on_meta_tensors_agrees_with_real_ones(state_dict):
 
 # --- 3. the summary of generated files -----------------------------------------------------------------------------
 
-@settings(BUDGET, max_examples=150)
+@settings(BUDGET, max_examples=250)
 @given(state_dict=key_groups(), meta=metadata())
 def test_summary_reads_or_names_the_file(state_dict, meta):
     with tempfile.TemporaryDirectory() as folder:

@@ -334,6 +334,12 @@ for label, value in (("an object", {"a": {"b": [1]}}), ("a list", [1, "x"]), ("a
         continue
     case(f"metadata value: {label}", lambda v=value: edited(lambda h: h.update(__metadata__={"lycoris_config": v,
                                                                                             "software": v})), None)
+# a JSON escape of half a UTF-16 pair is valid JSON and no valid text: what the summary shows must still encode
+for meta_key in ("modelspec.title", "ss_base_model_version", "modelspec.trigger_phrase", "ss_training_comment"):
+    case(f"metadata value: lone surrogate in {meta_key}", lambda k=meta_key: edited_text(
+        "{", '{"__metadata__": {"' + k + '": "a\\ud800b"}, '), "never")
+case("metadata value: lone surrogate in a tag of ss_tag_frequency", lambda: edited_text(
+    "{", '{"__metadata__": {"ss_tag_frequency": "{\\"d\\": {\\"t\\\\udfff\\": 5}}"}, '), "never")
 case("metadata key not a string-safe name", lambda: edited(lambda h: h.update(__metadata__={"\x00\ud800": "x"})), None)
 
 # --- huge keys, many keys ------------------------------------------------------------------------------------------
@@ -625,6 +631,11 @@ def check_case(case_: Case, results: dict[str, tuple]) -> None:
     for label, (_value, error) in results.items():
         if error is not None:
             _check_error(case_, error, name)
+    summary = results["summarize"][0]
+    if summary is not None:  # the Info node's STRING outputs and the route's JSON carry it
+        summary.text().encode("utf-8")
+        ", ".join(summary.trigger_words).encode("utf-8")
+        json.dumps(summary.to_json(with_modules=True), ensure_ascii=False).encode("utf-8")
     refusals = {label: error for label, (_value, error) in results.items() if error is not None}
     if case_.refused == "never":
         assert not refusals, {k: str(v)[:300] for k, v in refusals.items()}
@@ -674,7 +685,7 @@ NODE_CASES = [
     "tensor: alpha of 2 values", "two keys meaning the same factor", "symlink outside to /etc/passwd",
     "symlink outside to a file with a secret in a corrupt entry's fields",
     "symlink outside to a valid file (ComfyUI follows links)", "pickle (2) as .ckpt",
-    "pickle (torch.save) as .safetensors",
+    "pickle (torch.save) as .safetensors", "metadata value: lone surrogate in modelspec.title",
 ]
 
 
@@ -726,12 +737,15 @@ def test_loader_and_info_nodes(case_id, sd15, untouched, loras, outside):
     # the Info node: the summary alone, and with the model connected (coverage)
     for inputs in ({}, {"model": model, "clip": clip}):
         try:
-            summary_text = execute(LycorisInfo, lycoris_name=name, **inputs).result[0]
+            outputs = execute(LycorisInfo, lycoris_name=name, **inputs).result
+            summary_text = outputs[0]
         except LycorisError as error:
             assert not (case_.refused == "never" and not inputs), f"the summary refused a valid file: {error}"
             _check_error(case_, error, name)
         else:
             assert case_.refused != "header", "the Info node read a file whose header is broken"
+            for text in outputs:  # STRING outputs go on to other nodes, files and logs
+                text.encode("utf-8")
             if case_id in DAMAGED_MODULES and not inputs:  # a damaged module is reported, not silently dropped
                 assert TO_Q in summary_text, f"summary does not name the damaged module: {summary_text[:500]}"
     assert_model_unchanged(sd15, untouched)
