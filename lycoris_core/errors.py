@@ -6,11 +6,19 @@ MAX_NAME = 200
 MAX_REASON = 1000
 
 
+def encodable(text: str) -> str:
+    """`text`, with any lone UTF-16 surrogate (JSON's "\\ud800" is a valid escape) written as its escape: names and
+    metadata from a file end up in UI strings, logs and responses, which must encode as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def clipped(text: str, limit: int) -> str:
-    """`text`, cut to `limit` characters with the number left out said at the end. A lone surrogate (JSON allows
-    "\udfff" in a key) is written as its escape: the text must encode as UTF-8 wherever it is logged or sent."""
-    text = text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    """`text`, cut to `limit` characters with the number left out said at the end, and `encodable`."""
+    return encodable(text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)")
 
 
 class LycorisError(ValueError):

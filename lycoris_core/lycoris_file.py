@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import LycorisError
+from .errors import LycorisError, encodable
 from .keys import PEFT_MAGNITUDE, split_key
 from .module import Module, build_modules
 from .peft_config import PeftConfig, from_metadata, module_name, module_options, read_config
@@ -100,9 +100,20 @@ def metadata_json(metadata: Mapping[str, str], key: str):
     syntax, nested past the recursion limit, a number of more than 4300 digits). For values that only describe a
     file (trigger words, training settings): what cannot be read is left out, never a reason to refuse the file."""
     try:
-        return json.loads(metadata.get(key) or "null")
+        return _encodable_json(json.loads(metadata.get(key) or "null"))
     except (ValueError, RecursionError):  # JSONDecodeError is a ValueError, as is the digit limit
         return None
+
+
+def _encodable_json(value):
+    """A parsed JSON value with its strings `encodable` (an escaped lone surrogate decodes to one)."""
+    if isinstance(value, str):
+        return encodable(value)
+    if isinstance(value, list):
+        return [_encodable_json(item) for item in value]
+    if isinstance(value, dict):
+        return {encodable(str(k)): _encodable_json(v) for k, v in value.items()}
+    return value
 
 
 def software_name(metadata: Mapping[str, str]) -> str | None:

@@ -30,7 +30,7 @@ from typing import BinaryIO
 
 import torch
 
-from .errors import LycorisError
+from .errors import LycorisError, encodable
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pt2", ".pth", ".bin", ".pkl")
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit
@@ -184,9 +184,9 @@ class SafetensorsFile:
         if not isinstance(metadata, dict):
             raise self._error("corrupt safetensors header (__metadata__ is not an object)")
         data_start = 8 + header_len
-        entries = {key: self._entry(key, info, data_start) for key, info in header.items()}
+        entries = {encodable(key): self._entry(key, info, data_start) for key, info in header.items()}
         self._check_layout(entries, data_start)
-        return entries, {str(k): _text(v) for k, v in metadata.items()}, data_start
+        return entries, {encodable(str(k)): encodable(_text(v)) for k, v in metadata.items()}, data_start
 
     def _entry(self, key: str, info, data_start: int) -> TensorEntry:
         if not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or info["dtype"] not in DTYPES:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .algos import LAYOUT_ONLY_KEYS
 from .algos.base import ShapeError
 from .errors import MAX_NAME, LycorisError, clipped
 from .keys import ALPHA, DORA_SCALE, OMI_PREFIXES
@@ -20,7 +21,8 @@ from .module import Module, build_modules
 from .peft_config import PATTERN_KEYS, PeftConfig, module_name, module_options, read_config
 from .safetensors_file import SafetensorsFile
 
-SCALAR_SUFFIXES = (ALPHA, "on_input", "row_offset")  # read for real: the layout needs their values
+# Read for real: the layout needs their values (alpha, LoHa/IA3 on_input, row offsets, PEFT options held in the file).
+SCALAR_SUFFIXES = (ALPHA, "on_input", *sorted(LAYOUT_ONLY_KEYS))
 TRAINING_KEYS = {
     "ss_base_model_version": "base model", "ss_network_module": "network module", "ss_network_dim": "dim",
     "ss_network_alpha": "alpha", "ss_network_args": "network args", "ss_resolution": "resolution",
