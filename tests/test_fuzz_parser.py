@@ -157,7 +157,7 @@ def edited_header(draw, data: bytes) -> bytes:
             header.pop(keys[0])
     elif keys:
         key = draw(st.sampled_from(keys))
-        if target == "entry":
+        if target == "entry" or not isinstance(header[key], dict):  # an earlier edit may have made it a non-object
             header[key] = placeholder if raw else value
         else:
             header[key][target] = placeholder if raw else value
