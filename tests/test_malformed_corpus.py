@@ -1,4 +1,4 @@
-"""Issue #11's malformed-file corpus, generated here (no binaries committed): ~260 kinds of broken, odd and hostile
+"""Issue #11's malformed-file corpus, generated here (no binaries committed): ~360 kinds of broken, odd and hostile
 files, each read the three ways the pack reads a file (the header reader, the loader's cache.read, the Info node's
 summary) and a representative subset through the LyCORIS Loader node on a real (tiny) SD1.5 model.
 
