@@ -23,15 +23,25 @@ const SLIDER = { min: -1, max: 2, step: 0.05 };
 const MAX_PROBLEMS = 5;
 const COPIED_MS = 1500;
 const MARGIN = 8; // px around the panel inside the node (the DOM widget default is 10)
+const TEXT_MIN_HEIGHT = 130; // px: about eight block_weights rules in the classic renderer (its default is 50)
 
-let cssLoaded = false;
-function loadCss() {
-    if (cssLoaded) return;
-    cssLoaded = true;
+const CSS_URL = new URL("./lycoris_panel.css", import.meta.url).href;
+// Reports of earlier runs looked up for a node ComfyUI answered from its cache: the newest entries first, then more.
+const HISTORY_PAGES = [32, 512];
+const PROMPT_LOOKUPS = 20; // tries to read the cached run's own prompt (queue, then history), PROMPT_RETRY_MS apart
+const PROMPT_RETRY_MS = 150;
+
+/**
+ * The panel's stylesheet, as a <link> inside the panel itself: nothing is added to document.head or document.body,
+ * and the rules (all under .lycoris-*) apply while a panel is on the page. Every panel has one; the browser fetches
+ * the file once.
+ */
+function stylesheet() {
     const link = document.createElement("link");
     link.rel = "stylesheet";
-    link.href = new URL("./lycoris_panel.css", import.meta.url).href;
-    document.head.appendChild(link);
+    link.href = CSS_URL;
+    link.className = "lycoris-stylesheet";
+    return link;
 }
 
 /** Run `after` each time the widget's value is set through its callback, keeping any callback it already has. */
@@ -90,7 +100,8 @@ function keepEvents(control) {
     }
 }
 
-async function copyText(text) {
+/** Copy to the clipboard; the fallback's temporary textarea goes inside `container` (the panel), not the page. */
+async function copyText(text, container) {
     try {
         await navigator.clipboard.writeText(text);
         return true;
@@ -100,7 +111,7 @@ async function copyText(text) {
         area.value = text;
         area.setAttribute("readonly", "");
         area.style.cssText = "position:fixed;left:-9999px;top:0;opacity:0";
-        document.body.appendChild(area);
+        container.appendChild(area);
         area.select();
         let ok = false;
         try {
@@ -133,7 +144,8 @@ class LycorisPanel {
 
         this.root = el("div", "lycoris-panel");
         this.content = el("div", "lycoris-content"); // natural height, measured for the node's size
-        this.root.appendChild(this.content);
+        this.root.append(stylesheet(), this.content);
+        this.cached = null; // null, or how the last report came back for a run ComfyUI answered from its cache
         // Re-fit the node when the content is first laid out (mounting happens after render) or re-wraps.
         if (typeof ResizeObserver === "function") {
             this.observer = new ResizeObserver(() => {
@@ -187,7 +199,10 @@ class LycorisPanel {
             return;
         }
         if (!force && name === this.infoName && (this.info || this.loading)) return;
-        if (this.report && this.reportName !== name) this.report = null; // the last run was another file
+        if (this.report && this.reportName !== name) {
+            this.report = null; // the last run was another file
+            this.cached = null;
+        }
         const id = ++this.requestId;
         this.infoName = name;
         this.loading = true;
@@ -216,9 +231,11 @@ class LycorisPanel {
         this.render();
     }
 
-    onExecuted(output) {
+    /** A run's report (the node's "lycoris" UI output); `cached`: "restored" when it is an earlier run's. */
+    onExecuted(output, cached = null) {
         const report = Array.isArray(output?.lycoris) ? output.lycoris[0] : output?.lycoris;
         if (!report || typeof report !== "object") return;
+        this.cached = cached;
         this.report = report;
         this.reportName = report.summary?.name ?? this.currentName();
         const names = Array.isArray(report.blocks) ? report.blocks.map((b) => b?.name).filter(Boolean) : [];
@@ -236,6 +253,33 @@ class LycorisPanel {
             this.requestId++; // an older pending fetch must not overwrite this
         }
         this.render();
+    }
+
+    /** ComfyUI answered this node from its cache: it did not run and sent no report; its last one is looked up. */
+    onCachedStart() {
+        this.cached = "looking";
+        this.render();
+    }
+
+    /** The report of the run whose output ComfyUI reused (null: not in the server's history any more). */
+    onCached(report) {
+        if (report) {
+            this.onExecuted({ lycoris: [report] }, "restored");
+            return;
+        }
+        // The report this panel already shows is that run's when it is for the same file.
+        this.cached = this.report && this.reportName === this.currentName() ? "kept" : "missing";
+        this.render();
+    }
+
+    cacheNote() {
+        if (this.cached === "looking") return "ComfyUI answered this node from its cache: looking up its last report…";
+        if (this.cached === "missing") {
+            return "ComfyUI answered this node from its cache, and the report of the run that made it is no longer in "
+                + "the server's history: change an input to run it again";
+        }
+        if (this.cached) return "from ComfyUI's cache: the node did not run again, this is its last run's report";
+        return null;
     }
 
     render() {
@@ -257,8 +301,10 @@ class LycorisPanel {
         if (this.error) out.push(el("div", "lycoris-status lycoris-error", this.error));
         if (info?.trigger_words?.length) out.push(this.triggers(info.trigger_words));
         const report = this.report;
+        const cacheNote = this.cacheNote();
         if (report && (report.line || report.total != null)) {
             out.push(this.coverage(report));
+            if (cacheNote) out.push(el("div", "lycoris-note lycoris-cached", cacheNote));
             if (report.blocks?.length) out.push(this.chart(report.blocks));
             else if (report.blocks === null && report.applied > 0) {
                 const note = `per-block change not measured here (${report.not_measured || "large file"}): see LyCORIS Info`;
@@ -267,6 +313,8 @@ class LycorisPanel {
         } else if (report) {
             // LyCORIS Info without a model or clip: what the file is, not what it does.
             out.push(el("div", "lycoris-coverage lycoris-idle", "connect a model or clip to see what it changes"));
+        } else if (cacheNote) {
+            out.push(el("div", "lycoris-coverage lycoris-idle lycoris-cached", cacheNote));
         } else if (info) {
             out.push(el("div", "lycoris-coverage lycoris-idle", "run the workflow to see what it changed"));
         }
@@ -448,7 +496,7 @@ class LycorisPanel {
             chip.addEventListener("pointerdown", (e) => e.stopPropagation());
             chip.addEventListener("click", async (e) => {
                 e.stopPropagation();
-                const ok = await copyText(word);
+                const ok = await copyText(word, this.root);
                 status.textContent = ok ? "copied" : "copy failed";
                 chip.classList.toggle("lycoris-done", ok);
                 clearTimeout(this.copiedTimer);
@@ -550,9 +598,93 @@ class LycorisPanel {
     }
 }
 
+// --- nodes answered from ComfyUI's cache -------------------------------------------------------------------------
+//
+// When a node's inputs are those of an earlier run, ComfyUI reuses that run's output: the node does not execute and
+// no "executed" message (no report) is sent; only "execution_cached" lists it. The report is in the server's history
+// (GET /history: every prompt with its nodes' UI outputs): the newest earlier prompt in which this node ran with the
+// same inputs, from the same upstream nodes, is the run whose output was reused.
+
+async function getJson(path) {
+    const resp = await api.fetchApi(path);
+    if (!resp.ok) throw new Error(`GET ${path}: HTTP ${resp.status}`);
+    return await resp.json();
+}
+
+/** What ComfyUI's cache key is made of: the node's class and inputs, with each link replaced by its source's. */
+function signature(prompt, id, memo = new Map()) {
+    if (memo.has(id)) return memo.get(id);
+    const node = prompt?.[id];
+    let sig = null;
+    if (node && typeof node === "object") {
+        memo.set(id, null); // a cycle (none in a valid prompt) ends here
+        const inputs = Object.keys(node.inputs ?? {}).sort().map((key) => {
+            const value = node.inputs[key];
+            const link = Array.isArray(value) && value.length === 2 && typeof value[1] === "number" && value[0] in prompt;
+            return [key, link ? [signature(prompt, String(value[0]), memo), value[1]] : value];
+        });
+        sig = JSON.stringify([node.class_type, inputs]);
+    }
+    memo.set(id, sig);
+    return sig;
+}
+
+/** The API prompt of a queued or finished prompt, or null. */
+async function promptOf(promptId) {
+    for (let i = 0; i < PROMPT_LOOKUPS; i++) {
+        const queue = await getJson("/queue");
+        const item = [...(queue.queue_running ?? []), ...(queue.queue_pending ?? [])].find((q) => q?.[1] === promptId);
+        if (item) return item[2];
+        const done = await getJson(`/history/${encodeURIComponent(promptId)}`);
+        if (done?.[promptId]?.prompt) return done[promptId].prompt[2];
+        // Between the queue and the history: the run just ended.
+        await new Promise((resolve) => setTimeout(resolve, PROMPT_RETRY_MS));
+    }
+    return null;
+}
+
+/** The report of the newest run, other than promptId, in which node `id` ran with the inputs it has in `prompt`. */
+async function lastReport(promptId, prompt, id) {
+    const want = signature(prompt, id);
+    if (!want) return null;
+    for (const items of HISTORY_PAGES) {
+        const history = await getJson(`/history?max_items=${items}`);
+        const entries = Object.entries(history ?? {}).reverse(); // the server lists them oldest first
+        for (const [pid, entry] of entries) {
+            if (pid === promptId) continue;
+            const output = entry?.outputs?.[id]?.lycoris;
+            const report = Array.isArray(output) ? output[0] : output;
+            if (report && typeof report === "object" && signature(entry.prompt?.[2], id) === want) return report;
+        }
+        if (entries.length < items) break; // that was all of it
+    }
+    return null;
+}
+
+async function restoreCached(detail) {
+    const ids = new Set((detail?.nodes ?? []).map(String));
+    const panels = [...livePanels].filter((panel) => ids.has(String(panel.node.id)));
+    if (!panels.length || !detail.prompt_id) return;
+    for (const panel of panels) panel.onCachedStart();
+    let prompt = null;
+    try {
+        prompt = await promptOf(detail.prompt_id);
+    } catch (e) {
+        console.error("[lycoris_panel] reading the cached run's prompt:", e);
+    }
+    for (const panel of panels) {
+        let report = null;
+        try {
+            report = prompt && (await lastReport(detail.prompt_id, prompt, String(panel.node.id)));
+        } catch (e) {
+            console.error("[lycoris_panel] looking up a cached node's report:", e);
+        }
+        panel.onCached(report);
+    }
+}
+
 function addPanel(node) {
     if (node.widgets?.some((w) => w.name === PANEL_WIDGET)) return node.lycorisPanel;
-    loadCss();
     const panel = new LycorisPanel(node);
     const widget = node.addDOMWidget(PANEL_WIDGET, "lycoris_panel", panel.root, {
         serialize: false,
@@ -578,6 +710,8 @@ function addPanel(node) {
     if (panel.blockEditor) {
         // Sliders follow the text when it is typed (the textarea's input event) or set (its callback, the preset).
         const textWidget = panel.textWidget();
+        // Room for the rules in the classic renderer (the Vue renderer's textarea gets it from lycoris_panel.css).
+        if (textWidget?.options && !textWidget.options.getMinHeight) textWidget.options.getMinHeight = () => TEXT_MIN_HEIGHT;
         const area = textWidget?.inputEl ?? textWidget?.element;
         area?.addEventListener?.("input", () => panel.syncSliders());
         afterCallback(textWidget, () => panel.syncSliders());
@@ -590,6 +724,12 @@ function addPanel(node) {
 
 const extension = {
     name: "lycoris_nodes.panel",
+
+    setup() {
+        api.addEventListener("execution_cached", ({ detail }) => {
+            restoreCached(detail).catch((e) => console.error("[lycoris_panel] execution_cached:", e));
+        });
+    },
 
     async beforeRegisterNodeDef(nodeType, nodeData) {
         if (!NODE_TYPES.includes(nodeData.name)) return;
@@ -620,9 +760,14 @@ const extension = {
     },
 };
 
-// ComfyUI serves the web folder under two URLs when the pack's folder name differs from its pyproject name
-// (WEB_DIRECTORY and [tool.comfy] web both register it), and the frontend then imports this file twice.
-if (!window.__lycorisPanelExtension) {
-    window.__lycorisPanelExtension = import.meta.url;
-    app.registerExtension(extension);
+/** Already registered: ComfyUI serves the web folder under two URLs when the pack's folder name differs from its
+ * pyproject name and both WEB_DIRECTORY and [tool.comfy] web name it, and the frontend then imports this file twice. */
+function registered() {
+    try {
+        return (app.extensions ?? []).some((e) => e?.name === extension.name);
+    } catch {
+        return false; // the extension store is not set up yet: nothing is registered
+    }
 }
+
+if (!registered()) app.registerExtension(extension);
