@@ -1,12 +1,17 @@
 """The pack as the Comfy Registry and ComfyUI-Manager see it: pyproject (id, display name, icon), the publish workflow,
 `comfy node validate` (with its ruff scan really running), lint, and a help page for every node."""
 
+import ast
 import asyncio
+import io
+import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
+import tokenize
 
 import lycoris_nodes
 import tomllib
@@ -128,3 +133,77 @@ def test_every_node_has_a_help_page_and_tooltips():
         assert schema.description
         assert all(i.tooltip for i in schema.inputs), schema.node_id
         assert all(o.tooltip for o in schema.outputs), schema.node_id
+
+
+# --- comfy-test (PyPI comfy-test): its config, and its levels that run offline -----------------------------------
+
+def _comfy_test(*args: str) -> dict:
+    result = _run(os.path.join(VENV_BIN, "comfy-test"), *args, "--json")
+    assert result.stdout.lstrip().startswith("{"), result.stdout + result.stderr
+    return json.loads(result.stdout)
+
+
+def test_comfy_test_reads_the_config():
+    from comfy_test.common.config import TestLevel
+    from comfy_test.common.config_file import load_config
+
+    config = load_config(REPO_ROOT / "comfy-test.toml")  # raises on an unknown level, key or platform
+    assert TestLevel.JAVASCRIPT in config.levels and TestLevel.SYNTAX not in config.levels
+    assert config.windows_portable.enabled and config.linux.enabled
+    assert "lycoris_nodes" in config.javascript.namespaces
+
+
+def test_comfy_test_javascript_level_passes():
+    """comfy-test's JAVASCRIPT level: no globals on window, nothing appended to the shared document, names under the
+    pack's namespaces."""
+    report = _comfy_test("lint", ".", "--check", "javascript")
+    js = report["results"]["javascript"]
+    assert js["namespaces"][0] == "lycorisnodes"  # from pyproject's DisplayName
+    errors = [f for f in js["findings"] if f["level"] == "error"]
+    assert report["passed"] and not errors, json.dumps(errors, indent=1)
+
+
+_LAYOUT = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+
+
+def _set_aside_docstrings_and_comment_lines(source: str) -> str:
+    """`source` with its docstrings and its comments on lines of their own blanked (line numbers kept): what is never
+    executed and never reaches a console. A traceback prints the source lines of its frames, so a comment after
+    code stays, and so does every string literal that is not a docstring. (Blanking docstrings also keeps SYNTAX's
+    forbidden-pattern regexes off prose such as "a torch nn.Embedding() layer".)"""
+    tree = ast.parse(source)
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            docstrings.update(range(node.lineno, node.end_lineno + 1))
+    code_lines, comment_lines = set(), set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comment_lines.add(token.start[0])
+        elif token.type not in _LAYOUT and not (token.type == tokenize.STRING and token.start[0] in docstrings):
+            code_lines.update(range(token.start[0], token.end[0] + 1))
+    blank = (docstrings | comment_lines) - code_lines
+    return "".join("\n" if number in blank else line for number, line in enumerate(source.splitlines(True), 1))
+
+
+# The pack as ComfyUI runs it; tests/, bench/ and scripts/ never run in a user's ComfyUI.
+RUNTIME = ("__init__.py", "nodes", "lycoris_core")
+
+
+def test_comfy_test_syntax_level_passes_on_what_the_pack_prints(tmp_path):
+    """comfy-test's SYNTAX level (project files, cp1252 characters, forbidden device/autocast/nn patterns) on the
+    pack's runtime code, with docstrings and comment-only lines set aside: the maths stays readable there, and
+    every string that can reach the console (messages, and the source lines a traceback prints) is cp1252.
+    comfy-test has no setting for this (its scan reads every character of every .py file), hence the copy."""
+    pack = tmp_path / "lycoris-nodes"
+    pack.mkdir()
+    for name in ("pyproject.toml", "requirements.txt"):
+        shutil.copy(REPO_ROOT / name, pack / name)
+    files = [f for f in _run("git", "ls-files", *RUNTIME).stdout.split() if f.endswith(".py")]
+    assert "nodes/apply.py" in files and "lycoris_core/algos/lokr.py" in files
+    for name in files:
+        (pack / name).parent.mkdir(parents=True, exist_ok=True)
+        source = (REPO_ROOT / name).read_text(encoding="utf-8")
+        (pack / name).write_text(_set_aside_docstrings_and_comment_lines(source), encoding="utf-8")
+    report = _comfy_test("lint", str(pack), "--check", "syntax")
+    assert report["passed"], report["results"]["syntax"]["details"]
