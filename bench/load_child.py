@@ -21,7 +21,7 @@ from lycoris_nodes.nodes.cache import load_cached
 
 
 def status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
+    for line in Path("/proc/self/status").read_text(encoding="utf-8").splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(field)
@@ -31,7 +31,7 @@ def reset_peak() -> int:
     """Start a new peak-RSS window (Linux: clear_refs 5 resets VmHWM) and return the resident size now.
 
     Without the reset the peak would include whatever the imports and the key map briefly needed."""
-    Path("/proc/self/clear_refs").write_text("5")
+    Path("/proc/self/clear_refs").write_text("5", encoding="utf-8")
     return status_bytes("VmRSS")
 
 

@@ -460,7 +460,7 @@ def write_table(rows: list[Row], opts, machine: Machine, spent: tuple[float, flo
     quick = opts.quick
     path = BENCH / ("results-quick.md" if quick else "results.md")
     rows_arg = "" if opts.rows == ALL_ROWS else f" --rows {opts.rows}"
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines() if Path("/proc/cpuinfo").exists() else []
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
                platform.processor())
     command = f"python bench/run.py{' --quick' if quick else ''}{rows_arg}"
@@ -484,7 +484,7 @@ def write_table(rows: list[Row], opts, machine: Machine, spent: tuple[float, flo
         ratio = "n/a" if r.ratio is None else f"{r.ratio:.3f}"
         lines.append(f"| {r.name} | {r.value(r.ours)} | {r.value(r.builtin)} | {ratio} | {r.goal} | {r.status} "
                      f"| {r.note} |")
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return str(path)
 
 

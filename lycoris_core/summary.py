@@ -58,7 +58,7 @@ class ModuleSummary:
     conv: bool
     dora_axis: str | None = None
     tucker: bool = False
-    scale: float | None = None  # what the loader multiplies the change by: alpha / rank (rsLoRA: alpha / √rank)
+    scale: float | None = None  # what the loader multiplies the change by: alpha / rank (rsLoRA: alpha / sqrt(rank))
 
 
 @dataclass
@@ -311,7 +311,7 @@ def _alpha_from(config: PeftConfig | None, sources: Counter, metadata: dict[str,
     patterns = [key for key in PATTERN_KEYS if any(c.get(key) for c in components)]
     line = (f"alpha from the PEFT config in {config.source} ({sources['config']} modules"
             + "".join(f", {key} of {max(len(c.get(key) or {}) for c in components)}" for key in patterns)
-            + (", rsLoRA: scale = alpha/√rank" if rslora else "") + ")")
+            + (", rsLoRA: scale = alpha/sqrt(rank)" if rslora else "") + ")")
     return {"source": config.source, "rslora": rslora, "patterns": patterns, "line": line}
 
 

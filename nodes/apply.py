@@ -86,7 +86,7 @@ class ApplyReport:
     # ... of which added to the weight when ComfyUI casts it, on int8 layers it multiplies without their forward
     at_weight_cast: int = 0
     bypassed_formats: Counter = field(default_factory=Counter)  # bypassed weights not stored as plain float
-    merged_rounded: Counter = field(default_factory=Counter)  # merged weights whose storage re-rounds W+ΔW
+    merged_rounded: Counter = field(default_factory=Counter)  # merged weights whose storage re-rounds W+dW
     warnings: list[str] = field(default_factory=list)  # what the loader assumed where the file says nothing
     targets: dict[str, Applied] = field(default_factory=dict, repr=False)
 
@@ -347,7 +347,7 @@ def rounded_merge_warning(merged_rounded: Counter, apply_mode: str) -> str:
     formats = ", ".join(f"{fmt} {n}" for fmt, n in by_count(merged_rounded))
     hint = "; apply_mode auto keeps it exact (the change runs in those layers' forward)" if apply_mode == "merge" else ""
     return (f"{sum(merged_rounded.values())} patches were merged into quantized weights ({formats}): the merge "
-            f"re-rounds W+ΔW to the stored format, so part of the change is lost{hint}")
+            f"re-rounds W+dW to the stored format, so part of the change is lost{hint}")
 
 
 def is_off(strength: float, reference: bool) -> bool:

@@ -106,7 +106,7 @@ def test_merge_into_quantized_weights_warns_once(quantized_unet, loras):
     assert len(rounding) == 1, data["warnings"]
     listed = ", ".join(f"{fmt} {n}" for fmt, n in sorted(_expected_formats(formats).items(), key=lambda kv: (-kv[1], kv[0])))
     assert rounding[0].startswith(f"5 patches were merged into quantized weights ({listed}): the merge re-rounds "
-                                  "W+ΔW to the stored format, so part of the change is lost; apply_mode auto keeps "
+                                  "W+dW to the stored format, so part of the change is lost; apply_mode auto keeps "
                                   "it exact"), rounding[0]
 
 
