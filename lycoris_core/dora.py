@@ -74,12 +74,12 @@ def merge_into(add_into: Callable[[Tensors, Layout, torch.Tensor, float, torch.T
                reference: bool) -> None:
     """v ← W'(m) in place. `v` holds W in the compute dtype on entry; `weight` is W as given (any dtype), read by the
     linear semantics only, which therefore need `v` to be a buffer of its own."""
-    add_into(t, layout, v, 1.0, v)  # v = V = W + ΔW
+    add_into(t, layout, v, 1.0, v)  # v = V = W + dW
     norm = _norm(v, axis)
     gain = dora_scale.reshape(norm.shape) / (norm + torch.finfo(v.dtype).eps)
     if reference:
         v.mul_(m * (gain - 1) + 1)
         return
-    v.mul_(m * gain)  # W + m·(V·g − W) = m·g·V + (1 − m)·W
+    v.mul_(m * gain)  # W + m*(V*g - W) = m*g*V + (1 - m)*W
     if m != 1:
         add_scaled(v, weight, 1 - m)

@@ -88,7 +88,7 @@ class LycorisBlockInfo(io.ComfyNode):
             display_name="LyCORIS Block Info",
             category=CATEGORY,
             description="Lists the blocks of this model that a file touches, with module counts and the relative "
-                        "change ‖ΔW‖/‖W‖ of each at the given strength and block weights: the names to use in "
+                        "change |dW|/|W| of each at the given strength and block weights: the names to use in "
                         "block weights.",
             is_output_node=True,
             inputs=[

@@ -83,7 +83,7 @@ def add_into(t: Tensors, lay: GLoRALayout, weight: torch.Tensor, m: float, out: 
         left = torch.cat([w @ first, low_left], dim=1)  # reads W; out is written only below
         rows_2d(out).addmm_(left, torch.cat([second, low_right]), alpha=alpha)
         return
-    kernel = weight.reshape(weight.shape[0], weight.shape[1], -1)  # (out, in, ∏k)
+    kernel = weight.reshape(weight.shape[0], weight.shape[1], -1)  # (out, in, prod(k))
     target = out.view(kernel.shape)
     for start, length in pieces(kernel.shape[0], kernel[0].numel() * kernel.element_size()):
         part = slice(start, start + length)

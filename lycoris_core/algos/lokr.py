@@ -62,7 +62,7 @@ def _row_offset(t: Tensors) -> int | None:
            ROW_OFFSET)
     number = value.reshape(-1)[0].item()
     expect(not isinstance(number, (bool, complex)) and float(number).is_integer() and number >= 0,
-           f"row_offset must be a whole number ≥ 0, got {number}", ROW_OFFSET)
+           f"row_offset must be a whole number >= 0, got {number}", ROW_OFFSET)
     return int(number)
 
 
@@ -144,7 +144,7 @@ def add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: torch
     elif a * c > 1:
         left, right = _w2_factors(t)
         w2 = left @ right  # 1/(a·c) of W
-    else:  # W₁ is 1×1: ΔW = W₁·A @ B, plain low rank
+    else:  # W1 is 1x1: dW = W1*A @ B, plain low rank
         left, right = _w2_factors(t)
         rows_2d(out).addmm_(w1 * left.narrow(0, first, out.shape[0]), right, alpha=alpha)
         return

@@ -65,11 +65,11 @@ def butterfly_inputs(piece: torch.Tensor, rotation: torch.Tensor, orders: list[t
     x = piece
     for factor, order in zip(rotation, orders):
         if order is not None:
-            x = x[:, torch.argsort(order)]  # x·P: (x·P)[π(j)] = x[j]
+            x = x[:, torch.argsort(order)]  # x*P: (x*P)[pi(j)] = x[j]
         blocks, b = factor.shape[0], factor.shape[-1]
         x = torch.einsum("pkj,kcj->pkc", x.reshape(x.shape[0], blocks, b), factor).reshape(x.shape)
         if order is not None:
-            x = x[:, order]  # x·Pᵀ: (x·Pᵀ)[j] = x[π(j)]
+            x = x[:, order]  # x*P^T: (x*P^T)[j] = x[pi(j)]
     return x
 
 

@@ -56,7 +56,7 @@ OFT_R = "oft_embedding_R.weight"
 
 def oft_merge_into(t: Tensors, lay: peft_oft.PeftOFTLayout, weight: torch.Tensor, m: float, reference: bool) -> None:
     rotation = peft_oft.rotations(t[OFT_R], lay).expand(lay.blocks, lay.block_size, lay.block_size)
-    by_r_itself = rotation.transpose(-1, -2)  # rotate_inputs multiplies by Rᵀ, PEFT's Embedding by R
+    by_r_itself = rotation.transpose(-1, -2)  # rotate_inputs multiplies by R^T, PEFT's Embedding by R
     peft_oft.merge_rows(weight, m, lambda piece, start: peft_oft.rotate_inputs(piece, by_r_itself))
 
 

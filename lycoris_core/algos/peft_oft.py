@@ -87,7 +87,7 @@ def block_size_of(elements: int) -> int | None:
 def layout(t: Tensors, alpha: float | None, key: str = OFT_R) -> Layout:
     (packed,) = require(t, key)
     b = block_size_of(packed.shape[-1]) if packed.ndim == 2 else None
-    expect(b is not None, f"{key} must be (r, b(b−1)/2), got {list(packed.shape)}", key)
+    expect(b is not None, f"{key} must be (r, b(b-1)/2), got {list(packed.shape)}", key)
     options, assumed = read_options(t, DEFAULTS)
     terms = int(options["num_cayley_neumann_terms"])
     return PeftOFTLayout(None, 1.0, out=-1, stored_blocks=packed.shape[0], block_size=b,
