@@ -109,16 +109,13 @@ def test_ruff_is_clean():
     assert result.returncode == 0, result.stdout
 
 
-# Python files that are not the pack's and are linted by their owners' rules: the benchmark and the demo script.
-_NOT_THE_PACK = ("bench/", "scripts/")
-
-
 def test_every_text_file_is_opened_with_an_explicit_encoding():
-    """ruff's unspecified-encoding rule (PLW1514) on the tracked Python files: without `encoding=`, open() and
-    Path.read_text() use the locale's code page, cp1252 on a Western Windows, and a UTF-8 file reads wrong there.
+    """ruff's unspecified-encoding rule (PLW1514) on every tracked Python file (the pack, tests, bench, scripts):
+    without `encoding=`, open() and Path.read_text() use the locale's code page, cp1252 on a Western Windows, and a
+    UTF-8 file reads wrong there.
     The rule is still a preview rule in ruff, and turning preview on in pyproject would switch other rules to their
     preview behaviour as well, so it runs here on its own (`--select` replaces the project's rule set)."""
-    files = [f for f in _run("git", "ls-files", "*.py").stdout.split() if not f.startswith(_NOT_THE_PACK)]
+    files = _run("git", "ls-files", "*.py").stdout.split()
     assert "nodes/presets.py" in files and "lycoris_core/peft_config.py" in files  # the pack's own readers
     result = _run(sys.executable, "-m", "ruff", "check", "--preview", "--select", "PLW1514", "--no-cache", *files)
     assert result.returncode == 0, result.stdout
