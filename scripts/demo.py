@@ -5,7 +5,9 @@ Run through ``make demo`` (which runs scripts/setup.sh first). It
    examples use) into the base directory (once; they are cached),
 2. starts ComfyUI with comfy-cli (``comfy launch --background``) like a user would, or directly with
    ``python main.py`` if comfy-cli is missing or fails,
-3. converts the example workflow to the API format, queues it and waits for the image,
+3. converts the example workflow to the API format on the demo files (example_models.for_demo: the tiny checkpoint
+   and the demo LyCORIS file in place of the standard names the example shows users), queues it and waits for the
+   image,
 4. checks the server log for LoRA keys ComfyUI did not load,
 5. keeps serving the UI until Ctrl-C (``--once``: stops right away).
 """
@@ -29,10 +31,11 @@ sys.path.insert(0, str(REPO_ROOT / "tests"))
 
 import comfy_server
 from comfy_server import ComfyClient, ComfyServer, ui_to_api
+from example_models import DEMO_FILES, SD15_CHECKPOINT, YOUR_LYCORIS, YOUR_SECOND_LYCORIS, for_demo
 
-CHECKPOINT = "tiny_sd15.safetensors"
-LYCORIS = "demo_lokr_dora.safetensors"
-LYCORIS_LOHA = "demo_loha_te.safetensors"
+CHECKPOINT = DEMO_FILES[SD15_CHECKPOINT["name"]]
+LYCORIS = DEMO_FILES[YOUR_LYCORIS]
+LYCORIS_LOHA = DEMO_FILES[YOUR_SECOND_LYCORIS]
 WORKFLOW = REPO_ROOT / "example_workflows" / "lycoris_loader.json"
 BAD_LOG_LINES = ("lora key not loaded", "NOT LOADED")
 DEFAULT_PORT = 8188
@@ -136,7 +139,7 @@ def start_server(base_dir: Path, port: int, cli_home: Path, use_cli: bool):
 
 
 def run_workflow(server: ComfyClient, workflow_path: Path) -> Path:
-    prompt = ui_to_api(json.loads(workflow_path.read_text()), server.object_info())
+    prompt = ui_to_api(for_demo(json.loads(workflow_path.read_text(encoding="utf-8"))), server.object_info())
     start = time.perf_counter()
     entry = server.wait(server.queue(prompt), timeout=300)
     image = server.image_path(entry)

@@ -1,7 +1,12 @@
 """End to end: EVERY workflow in example_workflows/ on the session's ComfyUI server (conftest.py), converted with
-ui_to_api exactly as saved. Each must pass the server's validation, run and save an image; the block-weight, stack,
-schedule and info examples are also checked against equivalent graphs, pixel for pixel (SaveImage embeds the prompt,
-so files are never compared)."""
+ui_to_api as saved but on the tiny model and the demo LyCORIS files in place of the standard names the examples show
+users (scripts/example_models.py: for_demo). Each must pass the server's validation, run and save an image; the
+block-weight, stack, schedule and info examples are also checked against equivalent graphs, pixel for pixel
+(SaveImage embeds the prompt, so files are never compared).
+
+And what a user gets when opening one from the template browser: the standard SD1.5 checkpoint with the metadata
+that makes the frontend offer its download, a placeholder LyCORIS name a note explains, the node library's titles,
+every node on screen, and a thumbnail the frontend finds (<name>.jpg next to the json, served by ComfyUI)."""
 
 from __future__ import annotations
 
@@ -19,7 +24,9 @@ from PIL import Image
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-from comfy_server import ui_to_api
+import make_thumbnails
+from comfy_server import PACK_DIR_NAME, ui_to_api
+from example_models import DEMO_FILES, SD15_CHECKPOINT, YOUR_LYCORIS, YOUR_SECOND_LYCORIS, demo_workflow
 from test_server_demo import BAD_LOG_LINES, run
 
 pytestmark = pytest.mark.e2e
@@ -56,7 +63,7 @@ def example(server, object_info):
 
     def get(name: str) -> Ran:
         if name not in done:
-            prompt = ui_to_api(json.loads((EXAMPLES / name).read_text()), object_info)
+            prompt = ui_to_api(demo_workflow(name), object_info)
             entry = server.wait(server.queue(prompt), timeout=180)
             png = server.image_bytes(entry)
             done[name] = Ran(prompt, entry, png, np.asarray(Image.open(io.BytesIO(png)).convert("RGB")))
@@ -108,8 +115,91 @@ def test_example_is_a_consistent_ui_graph(name):
     for node in nodes.values():
         for inp in node.get("inputs", []):
             assert inp.get("link") is None or inp["link"] in linked, (node["id"], inp)
-        if node["type"] in ("LycorisLoader", "LycorisBlockWeights", "LycorisBlockInfo", "LycorisInfo", "LycorisHook"):
-            assert node["widgets_values"][0] in ("demo_lokr_dora.safetensors", "demo_loha_te.safetensors")
+        if node["type"] in LYCORIS_FILE_NODES:
+            assert node["widgets_values"][0] == YOUR_LYCORIS, (node["id"], node["widgets_values"])
+
+
+LYCORIS_FILE_NODES = ("LycorisLoader", "LycorisBlockWeights", "LycorisBlockInfo", "LycorisInfo", "LycorisHook")
+# How the frontends (1.32.9 and 1.49.6) decide a missing model can be downloaded: a url starting with one of these
+# and a name ending in one of these (MissingModelsWarning / isModelDownloadable).
+DOWNLOAD_HOSTS = ("https://civitai.com/", "https://huggingface.co/")
+DOWNLOAD_SUFFIXES = (".safetensors", ".sft")
+
+
+def strings(workflow: dict) -> list[str]:
+    """Every string widget value of the graph's nodes, notes left out."""
+    return [v for n in workflow["nodes"] if n["type"] not in ("Note", "MarkdownNote")
+            for v in n.get("widgets_values") or [] if isinstance(v, str)]
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_example_names_the_standard_checkpoint_with_its_download(name):
+    """The user opens the SD1.5 checkpoint ComfyUI's own templates name, and a missing one comes with its download:
+    the loader node's properties.models entry for the name its widget shows (what the frontends read), with a url
+    they accept and the folder; the workflow's `models` list (read by 1.32.9 too) says the same."""
+    workflow = json.loads((EXAMPLES / name).read_text(encoding="utf-8"))
+    (ckpt,) = [n for n in workflow["nodes"] if n["type"] == "CheckpointLoaderSimple"]
+    assert ckpt["widgets_values"] == [SD15_CHECKPOINT["name"]]
+    (entry,) = ckpt["properties"]["models"]
+    assert entry == SD15_CHECKPOINT and workflow["models"] == [SD15_CHECKPOINT]
+    assert entry["url"].startswith(DOWNLOAD_HOSTS) and entry["name"].endswith(DOWNLOAD_SUFFIXES)
+    assert entry["url"].split("?")[0].endswith("/" + entry["name"]) and entry["directory"] == "checkpoints"
+    # No file only the tests have: the demo names appear nowhere a user would see them.
+    for value in strings(workflow) + [n["widgets_values"][0] for n in workflow["nodes"] if n["type"] == "MarkdownNote"]:
+        assert not any(demo in value for demo in DEMO_FILES.values()), value
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_example_says_which_file_to_replace(name):
+    """The LyCORIS file is a placeholder no one has (its name says so) and the note on the canvas names it."""
+    workflow = json.loads((EXAMPLES / name).read_text(encoding="utf-8"))
+    placeholders = {p for p in (YOUR_LYCORIS, YOUR_SECOND_LYCORIS) if any(p in v for v in strings(workflow))}
+    assert YOUR_LYCORIS in placeholders
+    (note,) = [n["widgets_values"][0] for n in workflow["nodes"] if n["type"] == "MarkdownNote"]
+    for placeholder in placeholders:
+        assert f"`{placeholder}`" in note, placeholder
+    assert "models/loras" in note
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_example_titles_are_the_node_library_names(object_info, name):
+    """A node of the pack shows the name the node library lists (no title of its own, or that same name)."""
+    workflow = json.loads((EXAMPLES / name).read_text(encoding="utf-8"))
+    for node in workflow["nodes"]:
+        if node["type"].startswith("Lycoris"):
+            assert node.get("title", object_info[node["type"]]["display_name"]) == \
+                object_info[node["type"]]["display_name"], node["id"]
+
+
+TITLE_HEIGHT = 30  # LiteGraph draws a node's title bar above its pos
+MIN_SCALE = 0.6  # below about 0.57 LiteGraph draws nodes without their text (14 px font under its 8 px LOD limit)
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_example_opens_with_every_node_on_screen(name):
+    """With the view the workflow saves (extra.ds; the canvas fills the page: page = (graph + offset) * scale), every
+    node is in plain view on a 1600x1000 window (make_thumbnails.hidden: not under ComfyUI's bars or the minimap), at
+    a scale that draws the nodes' text. scripts/make_thumbnails.py --check measures the same in Chromium, as drawn."""
+    workflow = json.loads((EXAMPLES / name).read_text(encoding="utf-8"))
+    scale, (dx, dy) = workflow["extra"]["ds"]["scale"], workflow["extra"]["ds"]["offset"]
+    assert scale >= MIN_SCALE
+    for node in workflow["nodes"]:
+        (x, y), (w, h) = node["pos"], node["size"]
+        box = ((x + dx) * scale, (y - TITLE_HEIGHT + dy) * scale, (x + w + dx) * scale, (y + h + dy) * scale)
+        assert not make_thumbnails.hidden(box), (node["id"], node["type"], box)
+
+
+def test_every_example_has_a_thumbnail(server):
+    """The template browser asks for /api/workflow_templates/<pack folder>/<name>.jpg for each name the server lists
+    (the frontend's getTemplateThumbnailUrl: extension jpg for a custom node pack); each is a small JPEG."""
+    listed = server.get_json("api/workflow_templates")[PACK_DIR_NAME]
+    assert sorted(listed) == sorted(Path(w).stem for w in WORKFLOWS)
+    for stem in listed:
+        data = server._request(f"api/workflow_templates/{PACK_DIR_NAME}/{stem}.jpg")
+        assert data == (EXAMPLES / f"{stem}.jpg").read_bytes()
+        assert len(data) < 100_000, (stem, len(data))
+        image = Image.open(io.BytesIO(data))
+        assert image.format == "JPEG" and image.width >= 256 and image.height >= 128, (stem, image.size)
 
 
 @pytest.mark.parametrize("name", WORKFLOWS)
@@ -197,7 +287,7 @@ def test_schedule_example_fades(server, example):
     assert not np.array_equal(ran.pixels, constant[1.0]), "the fade is the same as strength 1 throughout"
 
 
-def test_info_example_feeds_the_trigger_words_into_the_prompt(example):
+def test_info_example_feeds_the_trigger_words_into_the_prompt(server, example):
     ran = example("lycoris_info.json")
     info = only(ran.prompt, "LycorisInfo")
     (payload,) = ran.entry["outputs"][info]["lycoris"]
@@ -205,8 +295,13 @@ def test_info_example_feeds_the_trigger_words_into_the_prompt(example):
     texts = [out["text"][0] for out in ran.entry["outputs"].values() if "text" in out]
     assert any(t.startswith("LyCORIS Nodes demo (LoKr + DoRA, random)") for t in texts), texts
     assert any(json.loads(t).get("applied") == 65 for t in texts if t.startswith("{")), texts
-    # "lycodemo" + ", " + the rest is the loader example's prompt, with the same file, seed and sampler settings.
-    assert np.array_equal(ran.pixels, example("lycoris_loader.json").pixels)
+    # The trigger word + ", " + the prompt: the loader example with that prompt (same file, seed and sampler).
+    loader = example("lycoris_loader.json").prompt
+    positive = ran.prompt[only(ran.prompt, "StringConcatenate")]["inputs"]["string_b"]
+    (encode,) = [k for k, v in loader.items() if v["class_type"] == "CLIPTextEncode" and v["inputs"]["text"] == positive]
+    loader = copy.deepcopy(loader)
+    loader[encode]["inputs"]["text"] = "lycodemo, " + positive
+    assert np.array_equal(ran.pixels, pixels(server, loader))
 
 
 def test_bypass_example_matches_the_merged_loader(server, example):
@@ -221,6 +316,25 @@ def test_bypass_example_matches_the_merged_loader(server, example):
     assert np.abs(ran.pixels.astype(int) - merged).max() <= 2
     unpatched = pixels(server, changed(ran.prompt, "LycorisLoader", strength_model=0.0, strength_clip=0.0)).astype(int)
     assert np.abs(unpatched - merged).max() > 20, "the file hardly changes the image: the comparison proves nothing"
+
+
+@pytest.mark.parametrize("name", ["lycoris_block_weights.json", "lycoris_info.json"])
+def test_preview_text_keeps_its_line_breaks(example, name):
+    """Preview as Text shows the text as Markdown in frontend 1.32.9 (ComfyUI 0.3.75; seen in Chromium: one paragraph,
+    the lines joined by spaces), as plain text in 1.49.6. A Markdown hard break (two spaces before the newline) keeps
+    the lines in the first and is invisible in the second: every multi-line text the example shows ends its lines so,
+    and is otherwise the node's own text."""
+    ran = example(name)
+    shown = [out["text"][0] for out in ran.entry["outputs"].values() if "text" in out]
+    assert shown and all("\n" in text for text in shown), shown
+    for text in shown:
+        lines = text.split("\n")
+        assert all(line.endswith("  ") for line in lines[:-1]), lines[:5]
+    # The node's own text, lines intact: the regex only appends the two spaces.
+    workflow = json.loads((EXAMPLES / name).read_text(encoding="utf-8"))
+    breaks = [n for n in workflow["nodes"] if n["type"] == "RegexReplace"]
+    assert len(breaks) == len(shown)
+    assert all(n["widgets_values"][1:3] == ["\\n", "  \\n"] for n in breaks)
 
 
 def test_no_unloaded_keys_in_the_server_log(server, example):

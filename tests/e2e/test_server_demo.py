@@ -19,16 +19,21 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 import make_demo_lycoris
 from comfy_server import ComfyServer, prepare_base_dir
+from example_models import DEMO_FILES, SD15_CHECKPOINT, YOUR_LYCORIS, YOUR_SECOND_LYCORIS, write_demo_workflows
 
 pytestmark = pytest.mark.e2e
 
 # Generated once and reused across runs (the checkpoint is 180 MB and takes ~6 s to write).
 ASSETS = REPO_ROOT / ".deps" / "test-assets"
-WORKFLOW = REPO_ROOT / "example_workflows" / "lycoris_loader.json"
-CHECKPOINT = "tiny_sd15.safetensors"
-LYCORIS = "demo_lokr_dora.safetensors"
+# What the examples name for users (the SD1.5 checkpoint, your LyCORIS files) is run on these (example_models).
+CHECKPOINT = DEMO_FILES[SD15_CHECKPOINT["name"]]
+LYCORIS = DEMO_FILES[YOUR_LYCORIS]
 # The second demo file (LoHa over the UNet and the text encoder), for the stack and schedule examples.
-LYCORIS_LOHA = "demo_loha_te.safetensors"
+LYCORIS_LOHA = DEMO_FILES[YOUR_SECOND_LYCORIS]
+# The examples with the demo files in place of the standard names (example_models.for_demo), as files: conftest.py's
+# `prompt` and the browser scripts read them. WORKFLOW is the main example, the one `make demo` runs.
+DEMO_EXAMPLES = write_demo_workflows(ASSETS / "demo_workflows")
+WORKFLOW = DEMO_EXAMPLES / "lycoris_loader.json"
 BAD_LOG_LINES = ("lora key not loaded", "NOT LOADED")
 
 

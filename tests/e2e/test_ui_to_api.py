@@ -12,6 +12,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 from comfy_server import ui_to_api
+from example_models import DEMO_FILES, YOUR_LYCORIS, demo_workflow
 
 # The parts of /object_info that ui_to_api reads, shaped like ComfyUI 0.3.75's answer.
 OBJECT_INFO = {
@@ -107,4 +108,7 @@ def test_example_workflow_is_a_valid_ui_graph():
         assert dst["inputs"][target_slot]["link"] == link_id
         assert src["outputs"][origin_slot]["type"] == dst["inputs"][target_slot]["type"] == kind
     (loader,) = [n for n in workflow["nodes"] if n["type"] == "LycorisLoader"]
-    assert loader["widgets_values"] == ["demo_lokr_dora.safetensors", 1.0, 1.0, "linear", "merge"]
+    assert loader["widgets_values"] == [YOUR_LYCORIS, 1.0, 1.0, "linear", "merge"]
+    # What the tests and `make demo` run: the same graph on the demo file.
+    (demo,) = [n for n in demo_workflow("lycoris_loader.json")["nodes"] if n["type"] == "LycorisLoader"]
+    assert demo["widgets_values"] == [DEMO_FILES[YOUR_LYCORIS], 1.0, 1.0, "linear", "merge"]
