@@ -40,6 +40,26 @@ const CLOSE_UP = { scale: 1.1, top: 130 }; // canvas zoom and place for the node
 const WORKFLOW = process.env.WORKFLOW || join(REPO, "example_workflows", "lycoris_block_weights.json");
 const EXAMPLES_DIR = process.env.EXAMPLES_DIR;
 
+/** Other nodes whose box overlaps node `id`'s, in graph units (the saved layout, whichever renderer draws it). */
+function nodesOver(id) {
+    const graph = window.comfyAPI.app.app.graph;
+    const title = window.LiteGraph.NODE_TITLE_HEIGHT;
+    const box = (n) => {
+        // The Vue renderer lays a node out by its content: its DOM size, in graph units, when it is taller.
+        const el = document.querySelector(`.lg-node[data-node-id="${n.id}"]`);
+        const scale = window.comfyAPI.app.app.canvas.ds.scale;
+        const h = el && el.offsetParent !== null ? el.getBoundingClientRect().height / scale : n.size[1] + title;
+        const w = el && el.offsetParent !== null ? el.getBoundingClientRect().width / scale : n.size[0];
+        return [n.pos[0], n.pos[1] - title, n.pos[0] + w, n.pos[1] - title + Math.max(h, n.size[1] + title)];
+    };
+    const me = graph.getNodeById(id);
+    const [x0, y0, x1, y1] = box(me);
+    return graph.nodes.filter((n) => n !== me).filter((n) => {
+        const [a0, b0, a1, b1] = box(n);
+        return a0 < x1 - 1 && a1 > x0 + 1 && b0 < y1 - 1 && b1 > y0 + 1;
+    }).map((n) => ({ type: n.type, title: n.title, pos: n.pos, overlaps: [x0, y0, x1, y1].map(Math.round) }));
+}
+
 /** The Block Weights node's widget, textarea, panel and sliders, read in the page. */
 function editorState(nodeType) {
     const app = window.comfyAPI.app.app;
@@ -50,8 +70,12 @@ function editorState(nodeType) {
     if (!widget || !panel) return { ok: false, reason: "no block_weights widget or panel" };
     // The textarea the user sees: the widget's own element (classic), or the one in the Vue node.
     const vueNode = document.querySelector(`.lg-node[data-node-id="${node.id}"]`);
-    const areas = [widget.inputEl, widget.element, ...(vueNode ? vueNode.querySelectorAll("textarea") : [])]
+    const areas = [...new Set([widget.inputEl, widget.element, ...(vueNode ? vueNode.querySelectorAll("textarea") : [])])]
         .filter((a) => a && a.tagName === "TEXTAREA");
+    const lineHeight = (a) => {
+        const style = getComputedStyle(a);
+        return parseFloat(style.lineHeight) || 1.2 * parseFloat(style.fontSize); // "normal" is about 1.2em
+    };
     const rows = [...panel.querySelectorAll(".lycoris-slider-row")].map((row) => ({
         block: row.dataset.block,
         range: row.querySelector("input[type=range]")?.value,
@@ -69,6 +93,13 @@ function editorState(nodeType) {
         nodeId: node.id,
         value: widget.value,
         textareas: areas.map((a) => a.value),
+        // The textarea the user sees (in the Vue node, or the classic one): rows it shows, lines in it.
+        shown: areas.filter((a) => a.offsetParent !== null).map((a) => ({
+            rows: Math.floor((a.clientHeight - parseFloat(getComputedStyle(a).paddingTop)
+                - parseFloat(getComputedStyle(a).paddingBottom)) / lineHeight(a)),
+            lines: a.value.split("\n").length,
+            overflow: a.scrollHeight - a.clientHeight,
+        })),
         rows,
         chart,
         notes: [...panel.querySelectorAll(".lycoris-blocks .lycoris-note")].map((e) => e.textContent),
@@ -103,10 +134,18 @@ async function checks({ page, result, workflow, original, pageErrors, consoleErr
     }
     await loadWorkflow(page, workflow);
 
-    const before = await waitFor(page, "the Block Weights panel", (t) => window.__lycorisEditorState(t), NODE_TYPE);
+    const before = await waitFor(page, "the Block Weights panel and its textarea on screen", (t) => {
+        const s = window.__lycorisEditorState(t);
+        return s.ok && s.shown.length ? s : { ...s, ok: false };
+    }, NODE_TYPE);
     check(before.value === originalText, `block_weights is ${JSON.stringify(before.value)} after loading`);
     check(before.rows.length === 0, `sliders before any run: ${JSON.stringify(before.rows)}`);
     check(before.notes.some((n) => n.includes("run the workflow")), `no hint before the run: ${before.notes}`);
+    // The example's rules are all in view: the Vue renderer's textarea showed about three lines.
+    check(before.shown.length === 1, `expected one visible block_weights textarea: ${JSON.stringify(before.shown)}`);
+    const [shown] = before.shown;
+    check(shown.rows >= 7 && shown.overflow <= 1, `the block_weights box shows ${shown.rows} rows (needs 7+ and the `
+        + `example's ${shown.lines} lines without scrolling): ${JSON.stringify(shown)}`);
 
     await queueAndWait(page);
     mark("first_run");
@@ -129,6 +168,10 @@ async function checks({ page, result, workflow, original, pageErrors, consoleErr
     check(ran.errors.length === 0, `the panel shows an error: ${ran.errors}`);
     check(ran.tracked === originalText, `the change tracker holds ${JSON.stringify(ran.tracked)} after the run`);
     result.chart_before = ran.chart;
+    await page.waitForTimeout(500); // the node has grown by the panel's chart and sliders
+    const covering = await page.evaluate(nodesOver, ran.nodeId);
+    check(covering.length === 0, `after the run the node (grown by its panel) is overlapped by ${JSON.stringify(covering)}: `
+        + "the example's layout must leave it room");
 
     // 1. The keyboard on the input_blocks.1 slider: its rule gets the new value where it stands.
     const keyed = sliderLocator(page, ran.nodeId, KEYBOARD_BLOCK);
@@ -152,7 +195,24 @@ async function checks({ page, result, workflow, original, pageErrors, consoleErr
     // 2. Drag the middle_block.1 slider with the mouse to its left end (-1): a rule of its own is added.
     const dragged = sliderLocator(page, ran.nodeId, DRAG_BLOCK);
     await dragged.scrollIntoViewIfNeeded();
-    const box = await dragged.boundingBox();
+    let box = await dragged.boundingBox();
+    const viewport = page.viewportSize();
+    if (box && box.y + box.height > viewport.height - 40) {
+        // Below the page (the canvas does not scroll into view): pan the canvas up, as a user drags it.
+        await page.evaluate((dy) => {
+            const canvas = window.comfyAPI.app.app.canvas;
+            canvas.ds.offset[1] -= dy / canvas.ds.scale;
+            canvas.setDirty(true, true);
+        }, box.y + box.height - viewport.height / 2);
+        // Until the slider stays where it is (the Vue nodes follow the canvas a frame or more later).
+        for (let i = 0; i < 20; i++) {
+            await page.waitForTimeout(200);
+            const now = await dragged.boundingBox();
+            const still = JSON.stringify(now) === JSON.stringify(box);
+            box = now;
+            if (still && i > 0) break;
+        }
+    }
     check(box && box.width > 20, `the ${DRAG_BLOCK} slider is not visible: ${JSON.stringify(box)}`);
     const fraction = (Number(EXPECT_VALUES[DRAG_BLOCK]) + 1) / 3; // where its thumb is on -1..2
     const y = box.y + box.height / 2;

@@ -124,6 +124,21 @@ async function openUI(page, result) {
     const settings = await fetch(new URL("settings", COMFY_URL)).then((r) => r.json());
     result.first_run = !settings["Comfy.TutorialCompleted"];
     await page.goto(COMFY_URL, { waitUntil: "domcontentloaded", timeout: 60000 });
+    await waitForApp(page);
+    mark("app_loaded");
+    result.frontend_version = await page.evaluate(() => window.__COMFYUI_FRONTEND_VERSION__);
+    result.first_run_dialogs = await closeFirstRunDialogs(page, result.first_run);
+    mark("first_run_dialogs_closed");
+}
+
+/** Reload the page, as a user coming back to ComfyUI: the frontend restores the open workflow. */
+export async function reopenUI(page) {
+    await page.reload({ waitUntil: "domcontentloaded", timeout: 60000 });
+    await waitForApp(page);
+    mark("reopened");
+}
+
+async function waitForApp(page) {
     await waitFor(
         page,
         "the ComfyUI app, our extension and the start-up workflow",
@@ -140,10 +155,6 @@ async function openUI(page, result) {
         EXTENSION_NAME,
         60000,
     );
-    mark("app_loaded");
-    result.frontend_version = await page.evaluate(() => window.__COMFYUI_FRONTEND_VERSION__);
-    result.first_run_dialogs = await closeFirstRunDialogs(page, result.first_run);
-    mark("first_run_dialogs_closed");
 }
 
 /** Settings are stored on the server: set the renderer both ways, a previous run may have switched it. */
@@ -161,10 +172,11 @@ export async function loadWorkflow(page, workflow) {
 
 /**
  * Queue the workflow and wait for the run to finish; a failed run fails the check. With cachedType, a run in which
- * the server answers that node's output from its cache fails too (it sent no report).
+ * the server answers that node's output from its cache fails too (it sent no report); with expectCached, a run in
+ * which it does NOT is the failure (the node ran again).
  */
-export async function queueAndWait(page, cachedType = null) {
-    const run = await page.evaluate(async ([timeout, loaderType]) => {
+export async function queueAndWait(page, cachedType = null, expectCached = false) {
+    const run = await page.evaluate(async ([timeout, loaderType, wantCached]) => {
         const { app } = window.comfyAPI.app;
         const { api } = window.comfyAPI.api;
         const loader = loaderType && app.graph.nodes.find((n) => n.type === loaderType);
@@ -172,7 +184,15 @@ export async function queueAndWait(page, cachedType = null) {
             const timer = setTimeout(() => resolve({ status: "timeout" }), timeout);
             if (loader) {
                 api.addEventListener("execution_cached", ({ detail }) => {
-                    if (!detail?.nodes?.map(String).includes(String(loader.id))) return;
+                    const cached = !!detail?.nodes?.map(String).includes(String(loader.id));
+                    if (wantCached) {
+                        if (!cached) {
+                            clearTimeout(timer);
+                            resolve({ status: "ran", detail: `${loaderType} was not answered from the cache` });
+                        }
+                        return;
+                    }
+                    if (!cached) return;
                     clearTimeout(timer);
                     resolve({
                         status: "cached",
@@ -192,7 +212,7 @@ export async function queueAndWait(page, cachedType = null) {
         });
         await app.queuePrompt(0);
         return await done;
-    }, [RUN_TIMEOUT, cachedType]);
+    }, [RUN_TIMEOUT, cachedType, expectCached]);
     check(run.status === "success", `the workflow run did not succeed: ${JSON.stringify(run)}`);
 }
 
@@ -259,10 +279,13 @@ async function saveScreenshots(page, result, { nodeType, scale, top }) {
  * (exit 2 otherwise). nodeType, closeUp ({scale, top}): the node of the close-up.
  * initScript: JS run in every page before its own scripts. clipboard: grant clipboard access to the ComfyUI origin.
  * stateKey, readState(page): on a failure, result[stateKey] = await readState(page).
+ * onPage(page): called with the page before the UI is opened (to listen to its requests from the start).
  * body({page, result, workflow, original, pageErrors, consoleErrors}): the checks, with the workflow and its nodeType
  * node's widgets_values; sets result.ok = true when they all pass.
  */
-export async function runBrowserScript({ name, workflowPath, nodeType, closeUp, initScript, clipboard = false, stateKey, readState, body }) {
+export async function runBrowserScript({
+    name, workflowPath, nodeType, closeUp, initScript, clipboard = false, stateKey, readState, onPage, body,
+}) {
     const log = (msg) => console.error(`${name}: ${msg}`);
     if (!["classic", "vue"].includes(RENDERER)) {
         log(`RENDERER must be classic or vue, not ${RENDERER}`);
@@ -301,6 +324,7 @@ export async function runBrowserScript({ name, workflowPath, nodeType, closeUp, 
         page.on("console", (msg) => {
             if (msg.type() === "error") consoleErrors.push(msg.text());
         });
+        onPage?.(page);
         await openUI(page, result);
         await body({ page, result, workflow, original, pageErrors, consoleErrors });
     } catch (err) {

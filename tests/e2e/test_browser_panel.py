@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import make_demo_lycoris
 import make_tiny_sd15
 from comfy_server import ComfyServer, ui_to_api
+from example_models import demo_workflow
 from test_server_demo import ASSETS, CHECKPOINT, LYCORIS, LYCORIS_LOHA, make_base_dir
 
 pytestmark = pytest.mark.e2e
@@ -130,16 +131,28 @@ def check_first_run_dialogs(result: dict, first_on_server: bool) -> None:
     assert result["first_run_dialogs"] == expected, f"frontend {result['frontend_version']}"
 
 
-@pytest.mark.parametrize("renderer", ["classic", "vue"])
-def test_panel_in_browser(panel_server, renderer):
-    run_browser_script(SCRIPT, panel_server, renderer, ARTIFACTS / f"browser_panel_{renderer}.png")
+@pytest.fixture(scope="module")
+def demo_examples(tmp_path_factory) -> Path:
+    """The examples as the tests run them: on the tiny model and the demo files (example_models.for_demo)."""
+    folder = tmp_path_factory.mktemp("demo-examples")
+    for path in EXAMPLES.glob("*.json"):
+        (folder / path.name).write_text(json.dumps(demo_workflow(path.name)), encoding="utf-8")
+    return folder
 
 
 @pytest.mark.parametrize("renderer", ["classic", "vue"])
-def test_block_weight_sliders_in_browser(panel_server, renderer):
-    """The sliders; in the classic run also: the frontend makes of every example workflow the prompt ui_to_api makes
-    (the one test_example_workflows.py runs), so the saved JSON files say what a user would queue."""
-    extra = {"EXAMPLES_DIR": str(EXAMPLES)} if renderer == "classic" else {}
+def test_panel_in_browser(panel_server, demo_examples, renderer):
+    run_browser_script(SCRIPT, panel_server, renderer, ARTIFACTS / f"browser_panel_{renderer}.png",
+                       WORKFLOW=str(demo_examples / "lycoris_loader.json"))
+
+
+@pytest.mark.parametrize("renderer", ["classic", "vue"])
+def test_block_weight_sliders_in_browser(panel_server, demo_examples, renderer):
+    """The sliders and the room the block_weights text gets; in the classic run also: the frontend makes of every
+    example workflow the prompt ui_to_api makes (the one test_example_workflows.py runs), so the saved JSON files say
+    what a user would queue."""
+    extra = {"EXAMPLES_DIR": str(demo_examples)} if renderer == "classic" else {}
+    extra["WORKFLOW"] = str(demo_examples / "lycoris_block_weights.json")
     screenshot = ARTIFACTS / f"browser_block_weights_{renderer}.png"
     result = run_browser_script(BLOCK_WEIGHTS_SCRIPT, panel_server, renderer, screenshot, **extra)
     if renderer != "classic":
@@ -154,7 +167,7 @@ def test_block_weight_sliders_in_browser(panel_server, renderer):
     assert sorted(result["prompts"]) == sorted(p.name for p in EXAMPLES.glob("*.json"))
     for name, converted in result["prompts"].items():
         assert converted["missing"] == [], f"{name}: node types the frontend does not know: {converted['missing']}"
-        ours = ui_to_api(json.loads((EXAMPLES / name).read_text()), object_info)
+        ours = ui_to_api(json.loads((demo_examples / name).read_text()), object_info)
         frontend = {k: (v["class_type"], declared(v["class_type"], v["inputs"])) for k, v in converted["output"].items()}
         assert frontend == {k: (v["class_type"], v["inputs"]) for k, v in ours.items()}, name
 
