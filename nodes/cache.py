@@ -208,16 +208,26 @@ def stats() -> CacheStats:
         return _stats_locked()
 
 
-def _sibling_config_stamp(path: str) -> int | None:
-    """A PEFT adapter_config.json beside the file sets its scale: editing it must not serve the old parse."""
-    sibling = Path(path).with_name(CONFIG_FILE)
-    return sibling.stat().st_mtime_ns if sibling.is_file() else None
+def file_identity(path: str | os.PathLike) -> tuple | None:
+    """What says a file is unchanged: (resolved path, size, mtime_ns, inode, mtime_ns of the adapter_config.json
+    beside it or None; that config sets a PEFT file's scale, and read_config looks beside the path as given). None
+    when the file cannot be stat'ed: reading it then says why, naming it. The cache, the nodes' fingerprints and the
+    info route all use this one identity."""
+    try:
+        resolved = os.path.realpath(path)
+        st = os.stat(resolved)
+        sibling = os.path.join(os.path.dirname(os.fspath(path)), CONFIG_FILE)
+        config = os.stat(sibling).st_mtime_ns if os.path.isfile(sibling) else None
+    except OSError:
+        return None
+    return resolved, st.st_size, st.st_mtime_ns, st.st_ino, config
 
 
 def load_cached(path: str | os.PathLike) -> LycorisFile:
-    resolved = str(Path(path).resolve())
-    stat = Path(resolved).stat()
-    key = (resolved, stat.st_size, stat.st_mtime_ns, _sibling_config_stamp(resolved))
+    key = file_identity(path)
+    if key is None:
+        return read(path)  # a LycorisError naming the file (missing, unreadable)
+    resolved = key[0]
     with _lock:
         entry = _files.get(key)
         if entry is not None:

@@ -1,14 +1,11 @@
 """The loader nodes: LyCORIS Loader and LyCORIS Loader (Model Only)."""
 
-import os
-
 import folder_paths
 from comfy_api.latest import io
 
-from ..lycoris_core.peft_config import CONFIG_FILE
 from .apply import apply_file, is_off, map_file
 from .bypass import MODES
-from .cache import load_cached
+from .cache import file_identity, load_cached
 from .report import LOADER_MEASURE_BUDGET, block_changes, is_dynamic, patchers_of, payload, touched_elements
 
 CATEGORY = "loaders/lycoris"
@@ -81,19 +78,10 @@ def lycoris_path(lycoris_name: str) -> str:
 
 
 def file_stamp(lycoris_name) -> str:
-    """What changes when the file, or the adapter_config.json beside it, is rewritten (size and mtime of both)."""
+    """The file's identity (cache.file_identity) as text: it changes when the file, or the adapter_config.json beside
+    it, is rewritten."""
     path = folder_paths.get_full_path("loras", lycoris_name) if isinstance(lycoris_name, str) else None
-    if path is None:
-        return "missing"  # validation says so; nothing to read
-    stamps = []
-    for part in (path, os.path.join(os.path.dirname(path), CONFIG_FILE)):
-        try:
-            st = os.stat(part)
-        except OSError:
-            stamps.append("-")
-        else:
-            stamps.append(f"{st.st_size}:{st.st_mtime_ns}")
-    return "|".join(stamps)
+    return "missing" if path is None else repr(file_identity(path))
 
 
 def fingerprint_by_file(cls, lycoris_name=None, **_inputs) -> str:

@@ -23,7 +23,6 @@ that read instead of reading it too (with the GIL, two reads of one file take tw
 """
 
 import asyncio
-import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +31,6 @@ import folder_paths
 from aiohttp import web
 
 from ..lycoris_core import LycorisError
-from ..lycoris_core.peft_config import CONFIG_FILE
 from ..lycoris_core.safetensors_file import PICKLE_SUFFIXES
 from ..lycoris_core.summary import summarize
 from . import cache
@@ -64,15 +62,10 @@ def _executor() -> ThreadPoolExecutor:
 
 
 def _identity(path: str) -> tuple | None:
-    """What says the file is unchanged; None if it cannot be stat'ed (the read then says why, naming the file)."""
-    try:
-        resolved = os.path.realpath(path)
-        st = os.stat(resolved)
-        sibling = os.path.join(os.path.dirname(path), CONFIG_FILE)
-        config = os.stat(sibling).st_mtime_ns if os.path.isfile(sibling) else None
-    except OSError:
-        return None
-    return path, resolved, st.st_size, st.st_mtime_ns, st.st_ino, config
+    """The listed path and the file's identity (cache.file_identity); None if it cannot be stat'ed (the read then
+    says why, naming the file)."""
+    identity = cache.file_identity(path)
+    return None if identity is None else (path, *identity)
 
 
 def _read(path: str) -> Answer:
