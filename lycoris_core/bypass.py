@@ -1,21 +1,27 @@
 """Bypass (forward) mode: the layer's weight is never touched; each forward adds what a merge would have changed.
 
-Linear and convolution layers are linear in their weight, so for the change a merge makes, D = W'(m) − W:
+Linear and convolution layers are linear in their weight. Several adapters on one layer apply in order, as chained
+merges would (W₀ = W, Wₖ = the k-th adapter applied to Wₖ₋₁, each reading the weight before it), and each has a
+form (algos.base.Form) with
 
-    F(x; W + D) = f(x) + F₀(x; D)          f: the layer's own forward (any weight format: fp8, quantized, offloaded)
-                                           F₀: the same op without bias, on a float D
+    Wₖ·x = outputₖ(Wₖ₋₁ · inputₖ(x), x)
 
-which makes bypass equal to merge up to rounding, for every algorithm and multiplier semantics. How D is reached:
+so the whole chain runs the layer's own forward f once, on the input every input-side change has mapped, then
+each adapter's output in order:
 
-* LoCon without DoRA (the common LoRA): factor by factor, never materialising D,
-      F₀(x; s·m·U·D₂) = s·m · up(down(x))                     Tucker: up(mid(down(x))), mid carrying the conv geometry
-* LoHa, LoKr, Full: D = m·ΔW from the factors alone (no weight needed).
-* DoRA, OFT, BOFT, GLoRA, (IA)³: D depends on W, so it is computed from the layer's weight read as float.
+    x₀ = input₁(input₂(… inputₙ(x))),   y = f(x₀) = W·x₀ + b,   y ← outputₖ(y, xₖ) for k = 1…n   (xₖ: what adapter
+    k was given, xₙ = x)
 
-Several adapters on one layer apply in order, as chained merges would: an adapter whose change depends on W sees
-W plus the changes of the adapters before it. A contribution's tensors are staged on the compute device once
-(`Contribution.on`, in the file's dtype); a forward then casts only their dtype, on the device (casting.py). The
-stored tensors are never modified.
+f is the layer's own forward in whatever form its weight is stored (fp8, quantized, offloaded, GGUF); the forms
+never form a weight-sized tensor per forward. Forms are prepared once per injection (`prepare`), reading the
+weight then if some adapter's change depends on it (DoRA's norm, GLoRA's W·A, the bias an output-side map keeps).
+
+An adapter without a form (Full, a Tucker LoHa, a grouped conv, an input-side change on some rows of a fused
+weight) takes the dense path: its change D = W'(m) − W is formed in every forward and F₀(xₖ; D) added, F₀ being the
+op without bias; if D depends on W, W is read in every forward. Both paths equal a merge up to rounding.
+
+A contribution's tensors are staged on the compute device once (`Contribution.on`, in the file's dtype); forms cast
+what they keep to the input's dtype once. The stored tensors are never modified.
 
 A layer whose weight is used without its forward gets the same changes added to its weight instead, when the
 weight is cast for use (`changed_weight`).
@@ -25,10 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from .algos import BY_NAME
-from .algos.locon import DOWN, MID, UP
+from .algos.base import Form, FormSite, LayerOp
 from .casting import cast, cast_all, compute_dtype
 from .module import Plan
 from .patch import change
@@ -36,27 +41,6 @@ from .patch import change
 # Algorithms whose change reads the current weight (DoRA is decided by the plan).
 READS_WEIGHT = frozenset({"glora", "ia3", "diag-oft", "oft-diag-v2", "kohya-oft", "boft",
                           "peft-oft", "peft-boft", "peft-ia3", "peft-oft-embedding"})
-_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
-
-
-@dataclass(frozen=True)
-class LayerOp:
-    """The bias-free op of a Linear (conv_dims 0) or ConvNd layer, with the layer's geometry."""
-
-    conv_dims: int = 0
-    stride: tuple[int, ...] = (1,)
-    padding: tuple[int, ...] | str = (0,)
-    dilation: tuple[int, ...] = (1,)
-    groups: int = 1
-
-    @property
-    def channel_dim(self) -> int:
-        return 1 if self.conv_dims else -1
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if not self.conv_dims:
-            return F.linear(x, weight)
-        return _CONV[self.conv_dims](x, weight, None, self.stride, self.padding, self.dilation, self.groups)
 
 
 @dataclass(frozen=True)
@@ -97,23 +81,59 @@ class Contribution:
                                       for name, t in self.tensors.items()})
 
 
-def _factored_locon(c: Contribution, op: LayerOp, x: torch.Tensor, weight_shape: tuple[int, ...]
-                    ) -> torch.Tensor | None:
-    """up(mid(down(x))) · s·m in x's dtype; None where the factored form does not hold (grouped conv)."""
-    if op.groups != 1:
+def _rows(t: torch.Tensor | None, rows: tuple[int, int] | None, dim: int) -> torch.Tensor | None:
+    return t if t is None or rows is None else t.narrow(dim, *rows)
+
+
+def _form(c: Contribution, op: LayerOp, shape: tuple[int, ...], x: torch.Tensor,
+          weight: torch.Tensor | None, bias: torch.Tensor | None) -> Form | None:
+    """The contribution's form at this site, or None for the dense path."""
+    algorithm = BY_NAME[c.plan.algorithm]
+    if algorithm.bypass is None or c.plan.dora_axis is not None:
         return None
-    t = cast_all({k: v for k, v in c.tensors.items() if k in (UP, DOWN, MID)}, x.device, x.dtype)
-    lay = c.plan.layout
-    up, down = t[UP].reshape(lay.out, lay.rank), t[DOWN]
-    if not op.conv_dims:
-        return F.linear(F.linear(x, down.reshape(lay.rank, -1)), up) * (lay.scale * c.strength)
-    point = (1,) * op.conv_dims
-    if MID in t:
-        inner = _CONV[op.conv_dims](x, down.reshape(lay.rank, weight_shape[1], *point))
-        inner = LayerOp(op.conv_dims, op.stride, op.padding, op.dilation)(inner, t[MID])
-    else:
-        inner = op(x, down.reshape(lay.rank, *weight_shape[1:]))
-    return _CONV[op.conv_dims](inner, up.reshape(lay.out, lay.rank, *point)) * (lay.scale * c.strength)
+    rows_shape = shape if c.rows is None else (c.rows[1], *shape[1:])
+    site = FormSite(op, rows_shape, c.strength, c.plan.reference, x.dtype, x.device,
+                    c.rows_of(weight) if c.reads_weight and weight is not None else None, _rows(bias, c.rows, 0))
+    form = algorithm.bypass(c.tensors, c.plan.layout, site)
+    if form is not None and form.input_side and c.rows is not None:
+        return None  # an input-side change of some rows only is no change of the layer's input
+    return form
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The forms of one layer's contributions (None: dense path), prepared for inputs like `x`."""
+
+    contributions: tuple[Contribution, ...]
+    forms: tuple[Form | None, ...]
+    needs_weight: bool  # some dense contribution reads W: every forward reads it
+
+
+def prepare(contributions: list[Contribution], op: LayerOp, shape: tuple[int, ...], x: torch.Tensor,
+            weight_and_bias: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]) -> Prepared:
+    """Each contribution's form. `weight_and_bias()` gives the layer's weight and bias as fp32 on x's device (the
+    weight may be the layer's own tensor: it is never modified); called once, only when some change reads W."""
+    readers = [i for i, c in enumerate(contributions) if c.reads_weight]
+    current, bias = weight_and_bias() if readers else (None, None)
+    private = False
+    forms = []
+    for i, c in enumerate(contributions):
+        forms.append(_form(c, op, shape, x, current, bias))
+        if current is not None and i < readers[-1]:  # a later reader sees this change
+            if not private:
+                current, private = current.clone(), True
+            c.rows_of(current).add_(_change(c, current, shape, current.device))
+    dense_readers = [i for i in readers if forms[i] is None]
+    return Prepared(tuple(contributions), tuple(forms), bool(dense_readers))
+
+
+def _change(c: Contribution, current: torch.Tensor | None, shape: tuple[int, ...], device: torch.device
+            ) -> torch.Tensor:
+    """D = W'(m) − W of one contribution: from `current` (W with the changes before it) when it reads W."""
+    if c.reads_weight:
+        return c.change(current)
+    rows_shape = shape if c.rows is None else (c.rows[1], *shape[1:])
+    return c.change_from_factors(rows_shape, device)
 
 
 def _add(y: torch.Tensor, h: torch.Tensor, rows: tuple[int, int] | None, channel_dim: int) -> torch.Tensor:
@@ -125,32 +145,54 @@ def _add(y: torch.Tensor, h: torch.Tensor, rows: tuple[int, int] | None, channel
     return y
 
 
-def forward(x: torch.Tensor, y: torch.Tensor, op: LayerOp, contributions: list[Contribution],
-            weight: Callable[[], torch.Tensor], weight_shape: tuple[int, ...]) -> torch.Tensor:
-    """y = f(x) plus every contribution, in order. `weight()` gives the layer's weight as fp32 on x's device (it
-    may be the layer's own tensor: it is never modified); it is called at most once, and only when a contribution
-    reads W."""
-    readers = [i for i, c in enumerate(contributions) if c.reads_weight]
-    last_reader = readers[-1] if readers else -1
-    current = weight() if readers else None  # W plus the changes made so far, for the readers that follow
-    private = False
-    for i, c in enumerate(contributions):
-        if i > last_reader and c.plan.algorithm == "locon" and c.plan.dora_axis is None:
-            h = _factored_locon(c, op, x, weight_shape)
-            if h is not None:
-                y = _add(y, h, c.rows, op.channel_dim)
-                continue
-        if current is not None:
-            d = c.change(current)
-            if i < last_reader:
-                if not private:
-                    current, private = current.clone(), True
-                c.rows_of(current).add_(d)
-        else:
-            rows_shape = weight_shape if c.rows is None else (c.rows[1], *weight_shape[1:])
-            d = c.change_from_factors(rows_shape, x.device)
-        y = _add(y, op(x, cast(d, x.device, x.dtype)), c.rows, op.channel_dim)
+def _output(form: Form, y: torch.Tensor, x: torch.Tensor, rows: tuple[int, int] | None,
+            channel_dim: int) -> torch.Tensor:
+    if rows is None:
+        return form.output(y, x)
+    out = form.output(y.narrow(channel_dim, *rows), x)
+    y = y.clone()
+    y.narrow(channel_dim, *rows).copy_(out)
     return y
+
+
+def forward(x: torch.Tensor, layer_forward: Callable[[torch.Tensor], torch.Tensor], op: LayerOp,
+            prepared: Prepared, weight: Callable[[], torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """W'x + b for the prepared contributions, in order (module docstring). `layer_forward` is the layer's own
+    forward; `weight()` gives W as fp32 on x's device, read before `layer_forward` runs and only when a dense
+    contribution needs it."""
+    contributions, forms = prepared.contributions, prepared.forms
+    inputs = [x] * len(forms)  # what each adapter is given
+    for k in range(len(forms) - 1, 0, -1):
+        form = forms[k]
+        inputs[k - 1] = form.input(inputs[k]) if form is not None and form.input_side else inputs[k]
+    first = forms[0] if forms else None
+    x0 = first.input(inputs[0]) if first is not None and first.input_side else inputs[0]
+    current = weight() if prepared.needs_weight else None  # W plus the changes so far, for the dense readers
+    last_dense_reader = max((i for i, (c, f) in enumerate(zip(contributions, forms)) if f is None and c.reads_weight),
+                            default=-1)
+    y = layer_forward(x0)
+    private = False
+    for k, (c, form) in enumerate(zip(contributions, forms)):
+        if form is not None:
+            y = _output(form, y, inputs[k], c.rows, op.channel_dim)
+        else:
+            d = _change(c, current, shape, x.device)
+            y = _add(y, op(inputs[k], cast(d, x.device, x.dtype)), c.rows, op.channel_dim)
+        if current is not None and k < last_dense_reader:  # a later dense reader sees this change
+            if not private:
+                current, private = current.clone(), True
+            change = d if form is None else _change(c, current, shape, current.device)
+            c.rows_of(current).add_(cast(change, current.device, current.dtype))
+    return y
+
+
+def layer_output(x: torch.Tensor, layer_forward: Callable[[torch.Tensor], torch.Tensor], op: LayerOp,
+                 contributions: list[Contribution], weight: torch.Tensor, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """Prepare and run in one go, for a layer given as its fp32 weight and bias (tests, one-off calls)."""
+    shape = tuple(weight.shape)
+    prepared = prepare(contributions, op, shape, x, lambda: (weight, bias))
+    return forward(x, layer_forward, op, prepared, lambda: weight, shape)
 
 
 def changed_weight(weight: torch.Tensor, contributions: list[Contribution]) -> torch.Tensor:

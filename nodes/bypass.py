@@ -5,12 +5,15 @@ while it is loaded: ComfyUI injects when it loads a clone and ejects when it unl
 with bypass adapters and one without share an nn.Module safely. Each node instance uses its own key, so several
 bypass nodes stack (each adds its entries to the layers; none replaces another's).
 
-A layer gets one `BypassLayer` as its `forward` while any entry is on it; it runs the layer's own forward, then
-adds every entry in order (lycoris_core.bypass.forward). Ejecting removes exactly the entries that injection put
-there, in any order, and the layer's own forward comes back when the last one goes.
+A layer gets one `BypassLayer` as its `forward` while any entry is on it; it runs the layer's own forward and
+every entry's form in order (lycoris_core.bypass). Ejecting removes exactly the entries that injection put there, in
+any order, and the layer's own forward comes back when the last one goes.
 
 Injecting stages each entry's tensors on the patcher's load device (private copies, dropped on eject), so a
-forward moves no adapter tensor between devices.
+forward moves no adapter tensor between devices. The forms are prepared at the first forward after the entries
+change (reading the weight then, if some change depends on it) and kept until they change again: ComfyUI changes a
+loaded model's weights (patching, unpatching, hooks, dynamic VRAM's re-patching) only with its injections ejected
+(`ModelPatcher.use_ejected`), so an injection sees one weight for its whole life.
 
 A layer ComfyUI uses without calling its forward (`skips_forward`) gets its entries as a `WeightChange` in its
 `weight_function` list instead: ComfyUI's cast path runs those on the weight wherever the weight is used.
@@ -21,7 +24,16 @@ import torch
 from comfy.patcher_extension import PatcherInjection
 from comfy.quant_ops import QuantizedTensor
 
-from ..lycoris_core.bypass import Contribution, LayerOp, changed_weight, forward, is_bypassable, reads_weight
+from ..lycoris_core.bypass import (
+    Contribution,
+    LayerOp,
+    Prepared,
+    changed_weight,
+    forward,
+    is_bypassable,
+    prepare,
+    reads_weight,
+)
 from ..lycoris_core.casting import cast
 from . import gguf
 
@@ -131,16 +143,22 @@ def _read_dtype(layer: torch.nn.Module, device: torch.device) -> torch.dtype:
 
 
 def float_weight(layer: torch.nn.Module, device: torch.device) -> torch.Tensor:
-    """The layer's weight as fp32 on `device`, as its forward runs it: with the patches merged before this adapter
-    (in the weight, in a LowVramPatch of an offloaded layer, or applied on the fly under dynamic VRAM),
+    """The layer's weight as fp32 on `device`, as its forward runs it (`float_weight_and_bias`)."""
+    return float_weight_and_bias(layer, device)[0]
+
+
+def float_weight_and_bias(layer: torch.nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer's weight and bias as fp32 on `device`, as its forward runs them: with the patches merged before
+    this adapter (in the weight, in a LowVramPatch of an offloaded layer, or applied on the fly under dynamic VRAM),
     dequantized (QuantizedTensor) or unscaled (scaled fp8). A comfy.ops layer is read through ComfyUI's own cast
-    path; a new tensor, so it is released at once and holds nothing of ComfyUI's while the layer's forward runs.
+    path; new tensors, so they are released at once and hold nothing of ComfyUI's while the layer's forward runs.
     A packed GGUF weight is read through the GGUF pack's own cast, which decodes it and applies the patches its
     GGUFModelPatcher attached to it."""
     if gguf.is_gguf_layer(layer) and gguf.is_packed(layer.weight):
-        return cast(gguf.read_weight(layer, device), device, torch.float32)
+        weight, bias = gguf.read_weight(layer, device)
+        return cast(weight, device, torch.float32), _float(bias, device)
     if not is_comfy_op(layer):
-        return _own_float_weight(layer, device)
+        return _own_float(layer, "weight", device), _own_float(layer, "bias", device)
     dtype = _read_dtype(layer, device)
     weight, bias, offload = comfy.ops.cast_bias_weight(layer, dtype=dtype, device=device, bias_dtype=dtype,
                                                        offloadable=True)
@@ -150,27 +168,38 @@ def float_weight(layer: torch.nn.Module, device: torch.device) -> torch.Tensor:
         if convert is not None:
             read = convert(read, inplace=False)
         read = cast(read, device, torch.float32)
-        return read.as_subclass(torch.Tensor) if gguf.is_gguf_tensor(read) else read  # GGUF F16 reads as its class
+        read = read.as_subclass(torch.Tensor) if gguf.is_gguf_tensor(read) else read  # GGUF F16 reads as its class
+        return read, _float(bias, device, copy=True)
     finally:
         comfy.ops.uncast_bias_weight(layer, weight, bias, offload)
 
 
-def _own_float_weight(layer: torch.nn.Module, device: torch.device) -> torch.Tensor:
-    """A plain torch layer's weight as fp32 on `device`, with any per-forward weight functions applied."""
-    weight = layer.weight
-    if isinstance(weight, QuantizedTensor):
-        weight = weight.dequantize()
-    functions = getattr(layer, "weight_function", None)
+def _float(tensor: torch.Tensor | None, device: torch.device, copy: bool = False) -> torch.Tensor | None:
+    """fp32 on `device`, a plain tensor (a copy when asked: a cast's result may be a buffer ComfyUI reuses)."""
+    if tensor is None:
+        return None
+    tensor = tensor.as_subclass(torch.Tensor) if gguf.is_gguf_tensor(tensor) else tensor
+    return cast(tensor, device, torch.float32, copy=copy)
+
+
+def _own_float(layer: torch.nn.Module, name: str, device: torch.device) -> torch.Tensor | None:
+    """A plain torch layer's weight or bias as fp32 on `device`, with any per-forward functions applied."""
+    value = getattr(layer, name, None)
+    if value is None:
+        return None
+    if isinstance(value, QuantizedTensor):
+        value = value.dequantize()
+    functions = getattr(layer, f"{name}_function", None)
     if functions:  # as comfy.ops.cast_bias_weight: on a copy, the functions may work in place
-        weight = cast(weight, device, torch.float32, copy=True)
+        value = cast(value, device, torch.float32, copy=True)
         for function in functions:
-            weight = function(weight)
-        if isinstance(weight, QuantizedTensor):
-            weight = weight.dequantize()
-    convert = getattr(layer, "convert_weight", None)
+            value = function(value)
+        if isinstance(value, QuantizedTensor):
+            value = value.dequantize()
+    convert = getattr(layer, f"convert_{name}", None)
     if convert is not None:
-        weight = convert(weight, inplace=False)
-    return cast(weight, device, torch.float32)
+        value = convert(value, inplace=False)
+    return cast(value, device, torch.float32)
 
 
 class BypassLayer:
@@ -180,15 +209,28 @@ class BypassLayer:
         self.layer, self.op = layer, op
         self.own_forward = layer.__dict__.get("forward")  # an instance-level forward someone else set, if any
         self.entries: dict[tuple[str, int], Contribution] = {}
+        self.prepared: tuple[tuple, Prepared] | None = None
 
     def __call__(self, x, *args, **kwargs):
-        contributions = list(self.entries.values())
+        prepared = self._prepared(x)
         # W is read before the layer's own forward: under dynamic VRAM that forward may patch ComfyUI's transfer
         # buffer in place, which a read after it would patch a second time
-        weight = float_weight(self.layer, x.device) if any(c.reads_weight for c in contributions) else None
+        weight = float_weight(self.layer, x.device) if prepared.needs_weight else None
         run = self.own_forward or type(self.layer).forward.__get__(self.layer)
-        y = run(x, *args, **kwargs)
-        return forward(x, y, self.op, contributions, lambda: weight, gguf.logical_shape(self.layer.weight))
+        return forward(x, lambda layer_input: run(layer_input, *args, **kwargs), self.op, prepared, lambda: weight,
+                       gguf.logical_shape(self.layer.weight))
+
+    def _prepared(self, x: torch.Tensor) -> Prepared:
+        """The entries' forms for inputs like x, prepared at the first forward after the entries changed (or for
+        another device, dtype or tensor type: a FakeTensorMode trace gets forms of its own)."""
+        contributions = tuple(self.entries.values())
+        key = (x.device, x.dtype, type(x))
+        if self.prepared is None or self.prepared[0] != key or not _same(self.prepared[1].contributions,
+                                                                         contributions):
+            shape = gguf.logical_shape(self.layer.weight)
+            self.prepared = key, prepare(list(contributions), self.op, shape, x,
+                                         lambda: float_weight_and_bias(self.layer, x.device))
+        return self.prepared[1]
 
     @classmethod
     def on(cls, layer: torch.nn.Module, op: LayerOp) -> "BypassLayer":
@@ -199,15 +241,24 @@ class BypassLayer:
             layer.forward = existing
         return existing
 
+    def add(self, entry_key: tuple[str, int], contribution: Contribution) -> None:
+        self.entries[entry_key] = contribution
+        self.prepared = None
+
     def remove(self, entry_key: tuple[str, int], contribution: Contribution) -> None:
         if self.entries.get(entry_key) is contribution:
             del self.entries[entry_key]
+        self.prepared = None  # it holds the staged tensors of the entries it was made for
         if not self.entries:
             if self.own_forward is None:
                 del self.layer.forward
             else:
                 self.layer.forward = self.own_forward
             delattr(self.layer, _ATTRIBUTE)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def layer_name(weight_key: str) -> str:
@@ -238,6 +289,9 @@ class WeightChange:
             setattr(layer, _CHANGE_ATTRIBUTE, existing)
             layer.weight_function = [*layer.weight_function, existing]  # a new list: the class default is shared
         return existing
+
+    def add(self, entry_key: tuple[str, int], contribution: Contribution) -> None:
+        self.entries[entry_key] = contribution
 
     def remove(self, entry_key: tuple[str, int], contribution: Contribution) -> None:
         if self.entries.get(entry_key) is contribution:
@@ -272,7 +326,7 @@ def injection(key: str, entries: list[tuple[str, Contribution]], root: torch.nn.
     def inject(patcher) -> None:
         copies = staged[id(patcher.model)] = [contribution.on(patcher.load_device) for _, contribution in entries]
         for i, (layer, contribution) in enumerate(zip(layers(patcher), copies)):
-            _holder(layer).entries[(key, i)] = contribution
+            _holder(layer).add((key, i), contribution)
 
     def eject(patcher) -> None:
         # ComfyUI may eject a clone that copied its `is_injected` flag without ever injecting: remove only ours.

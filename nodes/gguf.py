@@ -39,11 +39,11 @@ def type_name(tensor) -> str:
     return getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
 
 
-def read_weight(layer: torch.nn.Module, device: torch.device) -> torch.Tensor:
-    """The layer's weight as its forward sees it, through the pack's own cast: decoded, with the patches the pack's
-    GGUFModelPatcher attached (files merged before ours) applied; fp32 on `device`, a plain tensor."""
-    weight, _bias = layer.cast_bias_weight(dtype=torch.float32, device=device)
-    return weight.as_subclass(torch.Tensor)
+def read_weight(layer: torch.nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer's weight and bias as its forward sees them, through the pack's own cast: decoded, with the patches
+    the pack's GGUFModelPatcher attached (files merged before ours) applied; fp32 on `device`, plain tensors."""
+    weight, bias = layer.cast_bias_weight(dtype=torch.float32, device=device)
+    return weight.as_subclass(torch.Tensor), None if bias is None else bias.as_subclass(torch.Tensor)
 
 
 def decoded(layer: torch.nn.Module, tensor: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import test_nodes
 import torch
 import torch.nn.functional as F
 from lycoris_nodes.lycoris_core import LycorisError, parse_state_dict
-from lycoris_nodes.lycoris_core.bypass import Contribution, LayerOp, forward
+from lycoris_nodes.lycoris_core.bypass import Contribution, LayerOp, layer_output
 from lycoris_nodes.lycoris_core.patch import apply
 from lycoris_nodes.nodes import cache, loaders
 from lycoris_nodes.nodes.apply import build_patches, lora_key_map, map_file, model_shapes
@@ -174,7 +174,7 @@ def test_bypass_forward_equals_sd_scripts_forward(sd15, prefix, op, x_shape, str
     plan = module.plan_for(tuple(weight.shape), reference=True)
     x = torch.randn(*x_shape, generator=torch.Generator().manual_seed(1))
     y = op(x, weight)
-    got = forward(x, y, op, [Contribution(plan, module.tensors, strength)], lambda: weight, tuple(weight.shape))
+    got = layer_output(x, lambda xi: op(xi, weight), op, [Contribution(plan, module.tensors, strength)], weight)
     rw = truth_weight(sd, prefix, weight, strength)
     truth = F.linear(x.double(), rw) if not op.conv_dims else F.conv2d(x.double(), rw, None, 1, op.padding)
     assert rel(truth, y) > 1e-2

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from lycoris_nodes.lycoris_core import apply, load, parse_state_dict
 from lycoris_nodes.lycoris_core.algos import option_entries
-from lycoris_nodes.lycoris_core.bypass import Contribution, LayerOp, forward
+from lycoris_nodes.lycoris_core.bypass import Contribution, LayerOp, layer_output
 from lycoris_nodes.lycoris_core.keys import split_key
 from lycoris_nodes.lycoris_core.module import detect
 from safetensors.torch import save_file
@@ -197,8 +197,7 @@ def test_bypass_equals_merge(variant_id, strength):
         module = lfile.modules[f"{PREFIX}{name}.weight"]
         plan = module.plan_for(tuple(weight.shape))
         op, x = LAYERS[name], torch.randn(INPUTS[name])
-        y = forward(x, op(x, weight), op, [Contribution(plan, module.tensors, strength)],
-                    lambda w=weight: w, tuple(weight.shape))
+        y = layer_output(x, lambda xi, w=weight, o=op: o(xi, w), op, [Contribution(plan, module.tensors, strength)], weight)
         want = op(x, strength * change)
         error = _relative_error(y - op(x, weight), want)
         assert error <= TOLERANCE, f"{name} at strength {strength}: {error:.2e} of the change"

@@ -25,7 +25,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import lycoris_core
 from lycoris_core import peft_config
-from lycoris_core.bypass import Contribution, LayerOp, forward
+from lycoris_core.bypass import Contribution, LayerOp, layer_output
 
 peft = pytest.importorskip("peft")
 import test_nodes
@@ -254,8 +254,8 @@ def test_dora_in_bypass_equals_peft_s_merged_layer(tmp_path, strength):
     for name, change in truth.items():
         module, op, weight = lfile.modules[f"unet.{name}.weight"], OPS[name], base[name]
         x = torch.randn(INPUTS[name])
-        y = forward(x, op(x, weight), op, [Contribution(module.plan_for(tuple(weight.shape)), module.tensors,
-                                                        strength)], lambda w=weight: w, tuple(weight.shape))
+        y = layer_output(x, lambda xi, w=weight, o=op: o(xi, w), op,
+                [Contribution(module.plan_for(tuple(weight.shape)), module.tensors, strength)], weight)
         want = op(x, strength * change)
         error = float((y - op(x, weight) - want).abs().max() / want.abs().max())
         assert error <= TOLERANCE, f"{name}: error {error:.3g} of the change"

@@ -11,6 +11,8 @@ small functions:
   wanted; ΔW of GLoRA and (IA)³ reads W, so every read of W happens before `out` is written. DoRA wraps this.
 * ``merge_into(t, layout, W, m, reference)``: for algorithms that are not additive (OFT, BOFT), W ← W'(m) in place;
   `reference` picks LyCORIS' own multiplier semantics instead of the linear W + m·(W'(1) − W).
+* ``bypass(t, layout, at) -> Form | None``: the change in a layer's forward without forming W' (bypass mode), see
+  `Form`; None where this module has no such form (the caller then adds F(x; W'(m) − W) with the change formed).
 
 Both write into a contiguous W (in the compute dtype) and make no weight-sized temporary: what they need beyond W is
 the size of the factors, or a piece of W (`casting.pieces`).
@@ -24,6 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from ..casting import cast
 
 Tensors = dict[str, torch.Tensor]
 
@@ -75,6 +80,7 @@ class Algorithm:
     uses_alpha: bool = True
     optional: bool = False  # a layer without this parameter needs no change (PEFT's (IA)³ bias of a bias-less layer)
     layout_only: tuple[str, ...] = ()  # keys read for the layout only (beyond LAYOUT_ONLY_KEYS): not passed to patches
+    bypass: "Callable[[Tensors, Layout, FormSite], Form | None] | None" = None
 
     def matches(self, t: Tensors) -> bool:
         found = [t[m] for m in self.markers if m in t]
@@ -126,3 +132,90 @@ def tucker_factors(core: torch.Tensor, left: torch.Tensor, right: torch.Tensor) 
 def rows_2d(w: torch.Tensor) -> torch.Tensor:
     """W as (out, in·∏k): a view, W being contiguous."""
     return w.view(w.shape[0], -1)
+
+
+# --- Bypass forms: an adapter in the layer's forward ------------------------------------------------------------------
+
+CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+@dataclass(frozen=True)
+class LayerOp:
+    """The bias-free op of a Linear (conv_dims 0) or ConvNd layer, with the layer's geometry."""
+
+    conv_dims: int = 0
+    stride: tuple[int, ...] = (1,)
+    padding: tuple[int, ...] | str = (0,)
+    dilation: tuple[int, ...] = (1,)
+    groups: int = 1
+
+    @property
+    def channel_dim(self) -> int:
+        return 1 if self.conv_dims else -1
+
+    @property
+    def point(self) -> tuple[int, ...]:
+        """The kernel shape of a pointwise (1×1…) op of this layer's kind."""
+        return (1,) * self.conv_dims
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not self.conv_dims:
+            return F.linear(x, weight)
+        return CONV[self.conv_dims](x, weight, None, self.stride, self.padding, self.dilation, self.groups)
+
+    def pointwise(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A channel mix at every position (linear, or a 1×1… conv without the layer's stride): weight (out, in)."""
+        if not self.conv_dims:
+            return F.linear(x, weight)
+        return CONV[self.conv_dims](x, weight.reshape(*weight.shape, *self.point))
+
+    def scale_channels(self, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """y with channel c multiplied by scale[c] (channels last for Linear, dim 1 for convs)."""
+        return y * (scale if not self.conv_dims else scale.reshape(-1, *self.point))
+
+
+@dataclass(frozen=True)
+class FormSite:
+    """Where a form runs: the layer's op, the weight (rows) it changes, the strength, and the compute dtype/device
+    (the input's). `weight` is W before this adapter (earlier adapters on the layer included), fp32, given only to
+    algorithms whose change reads W; `bias` likewise (the layer's bias rows, fp32, or None when it has none)."""
+
+    op: LayerOp
+    shape: tuple[int, ...]
+    strength: float
+    reference: bool
+    dtype: torch.dtype
+    device: torch.device
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    def cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        return cast(tensor, self.device, self.dtype)
+
+
+class Form:
+    """One adapter in a layer's forward, prepared once per injection:
+
+        W'·x = output(W · input(x), x)        W: the weight before this adapter (earlier adapters included)
+
+    `input` is the identity unless W' = W·Q (a change on the input side); `output` gets y = W·input(x) + b (the
+    layer's bias b included, once) and the input x this adapter was given, and returns W'·x + b, never forming W'.
+    An output-side map P (W' = P·W) must leave the bias alone: P(y − b) + b (FormSite.bias)."""
+
+    input_side = False
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Additive(Form):
+    """W' = W + ΔW with ΔW·x computed from factors (`delta`, strength and scale included): y + delta(x)."""
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return y + self.delta(x)

@@ -7,7 +7,12 @@
 Patched as W₂ += s·m·U₂D₂ by one addmm_ into W (no temporary); with Tucker, mid is folded into the down factor first
 (einsum("ij…,jn->in…", mid, D₂), r × in·∏k), so it is the same addmm_.
 
-`down` keeps in/groups channels, so grouped convolutions need nothing special. LyCORIS' DyLoRA stores a conv `up`
+Bypass: F₀(x; s·m·U₂D₂) = s·m · up(down(x)), factor by factor; the down factor carries the layer's geometry (kernel,
+stride, padding), up is a pointwise mix (Tucker: down pointwise, mid with the geometry, up pointwise). Two thin matmuls
+instead of a weight-sized change: r·(in·∏k + out) per output position instead of in·∏k·out.
+
+`down` keeps in/groups channels, so grouped convolutions need nothing special when merged (in bypass they have no
+factored form: down(x) would need the groups). LyCORIS' DyLoRA stores a conv `up`
 as 2-D (out, r); any up whose trailing dims are 1 reads the same way.
 """
 
@@ -15,7 +20,20 @@ import math
 
 import torch
 
-from .base import Algorithm, Layout, Tensors, expect, require, rows_2d, scale_from_alpha, trailing_ones, tucker_factors
+from .base import (
+    Additive,
+    Algorithm,
+    FormSite,
+    LayerOp,
+    Layout,
+    Tensors,
+    expect,
+    require,
+    rows_2d,
+    scale_from_alpha,
+    trailing_ones,
+    tucker_factors,
+)
 
 UP, DOWN, MID = "lora_up.weight", "lora_down.weight", "lora_mid.weight"
 
@@ -50,7 +68,35 @@ def add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: torch
     rows_2d(out).addmm_(up, down, alpha=lay.scale * m)
 
 
+class Factored(Additive):
+    """ΔW·x = s·m · up(mid(down(x))), the factors cast once to the site's dtype and device."""
+
+    def __init__(self, t: Tensors, lay: Layout, at: FormSite):
+        op, scale = at.op, lay.scale * at.strength
+        self.op = op
+        self.up = at.cast(t[UP]).reshape(lay.out, lay.rank) * scale  # the scale folded into the smallest factor
+        down = at.cast(t[DOWN])
+        if MID in t:
+            self.down = down.reshape(lay.rank, at.shape[1])  # pointwise
+            self.mid = LayerOp(op.conv_dims, op.stride, op.padding, op.dilation), at.cast(t[MID])
+        else:
+            self.down = down.reshape(lay.rank, *at.shape[1:])
+            self.mid = None
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mid is not None:
+            mid_op, mid = self.mid
+            inner = mid_op(self.op.pointwise(x, self.down), mid)
+        else:
+            inner = self.op(x, self.down)
+        return self.op.pointwise(inner, self.up)
+
+
+def bypass(t: Tensors, lay: Layout, at: FormSite) -> Factored | None:
+    return Factored(t, lay, at) if at.op.groups == 1 else None
+
+
 ALGORITHM = Algorithm(
     name="locon", label="LoCon", markers=(UP,), keys=(UP, DOWN, MID),
-    layout=layout, add_into=add_into, supports_dora=True,
+    layout=layout, add_into=add_into, supports_dora=True, bypass=bypass,
 )
