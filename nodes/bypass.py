@@ -19,6 +19,8 @@ A layer ComfyUI uses without calling its forward (`skips_forward`) gets its entr
 `weight_function` list instead: ComfyUI's cast path runs those on the weight wherever the weight is used.
 """
 
+from dataclasses import dataclass
+
 import comfy.ops
 import torch
 from comfy.patcher_extension import PatcherInjection
@@ -337,22 +339,38 @@ def injection(key: str, entries: list[tuple[str, Contribution]], root: torch.nn.
 
     bypass = PatcherInjection(inject, eject)
     bypass.lycoris_layers = frozenset(weight_key for weight_key, _ in entries)
+    bypass.lycoris_readers = frozenset(weight_key for weight_key, c in entries if c.reads_weight)
     return bypass
 
 
-def bypassed_layers(patcher) -> frozenset[str]:
-    """The weight keys our bypass injections already on this patcher act on."""
-    return frozenset().union(*(getattr(injection, "lycoris_layers", ()) for injections in patcher.injections.values()
-                               for injection in injections))
+@dataclass(frozen=True)
+class BypassedBefore:
+    """The weight keys our bypass injections already on a patcher act on (`layers`), and those where one of them
+    reads W (`readers`)."""
+
+    layers: frozenset[str] = frozenset()
+    readers: frozenset[str] = frozenset()
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+
+def bypassed_layers(patcher) -> BypassedBefore:
+    """What our bypass injections already on this patcher act on."""
+    ours = [injection for injections in patcher.injections.values() for injection in injections
+            if hasattr(injection, "lycoris_layers")]
+    return BypassedBefore(frozenset().union(*(i.lycoris_layers for i in ours)),
+                          frozenset().union(*(i.lycoris_readers for i in ours)))
 
 
 def wants_bypass(mode: str, layer: torch.nn.Module | None, patch_key, plan,
-                 bypassed_before: frozenset[str] = frozenset()) -> bool:
+                 bypassed_before: BypassedBefore = BypassedBefore()) -> bool:
     """Whether this target is bypassed: in bypass mode, every Linear/Conv weight (whole or a row slice of a fused
     weight); in auto, those a merge could not patch exactly (`merge_is_exact`: fp8, ComfyUI's quantized layouts,
-    tensor types we do not know); in merge, none, except a change that reads W on a layer an earlier file bypasses:
-    merged, it would not see that file's change (the weight does not hold it), so it runs after it in the forward
-    instead, as chained merges would order them."""
+    tensor types we do not know); in merge, none, except where a merge would break the workflow's order on a layer
+    an earlier file bypasses: a change that reads W, merged, would not see that file's change (the weight does not
+    hold it), and any change merged after a bypassed change that reads W would be in the W it reads, i.e. applied
+    before it. Those run after it in the forward instead, as chained merges would order them."""
     key = patch_key if isinstance(patch_key, str) else patch_key[0]
     if not is_bypassable(plan) or not key.endswith(".weight"):
         return False
@@ -363,8 +381,10 @@ def wants_bypass(mode: str, layer: torch.nn.Module | None, patch_key, plan,
     if reads_weight(plan):
         if not is_readable(layer.weight):
             return False  # ComfyUI's (or the GGUF pack's) own patching decodes that weight; we cannot
-        if key in bypassed_before:
+        if key in bypassed_before.layers:
             return True
+    if key in bypassed_before.readers:
+        return True
     return mode == "bypass" or (mode == "auto" and not merge_is_exact(layer.weight))
 
 

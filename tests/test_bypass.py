@@ -215,10 +215,11 @@ def test_auto_bypasses_only_non_float_weights(reference_files, bases, dtype, exp
     assert (bypassed, len(clone.patches)) == ((targets, 0) if expected else (0, targets))
 
 
-def chained_outputs(reference_files, bases, modes: tuple[str, str]) -> tuple[dict, list[str], list[int]]:
-    """LoCon at 1 then GLoRA (whose change reads W) at 0.5 on the same layers, applied in `modes`: the layers'
-    outputs, those layers, and how many of GLoRA's patches ran in bypass."""
-    first, second = reference_files["locon"], reference_files["glora"]
+def chained_outputs(reference_files, bases, modes: tuple[str, str], files: tuple[str, str] = ("locon", "glora")
+                    ) -> tuple[dict, list[str], list[int]]:
+    """LoCon at 1 then GLoRA (whose change reads W) at 0.5 on the same layers (or the other `files`), applied in
+    `modes`: the layers' outputs, those layers, and how many of the second file's patches ran in bypass."""
+    first, second = reference_files[files[0]], reference_files[files[1]]
     net = factory_model(bases[torch.float32], torch.float32)
     base = patcher(net)
     p1, _ = lycoris_patches(load(first.path), net, FACTORY_KEY_MAP)
@@ -252,6 +253,18 @@ def test_weight_reader_merged_after_a_bypassed_file_runs_after_it(reference_file
     assert (none, moved) == (0, len(layers))
     for n in layers:
         assert_close_to_truth(mixed[n], merged[n], reference_files["glora"].y_base[torch.float32][n], 0.0, n)
+
+
+@pytest.mark.parametrize("reader", ["glora", "locon_dora_out", "oft_rescaled"])
+def test_file_merged_after_a_bypassed_weight_reader_runs_after_it(reference_files, bases, reader):
+    """The other way round: a LoRA merged after a bypassed file whose change reads W would be in the weight that
+    file reads, i.e. applied before it; it is bypassed too, so the result is the two merges in workflow order."""
+    files = (reader, "locon")
+    merged, layers, none = chained_outputs(reference_files, bases, ("merge", "merge"), files)
+    mixed, _, moved = chained_outputs(reference_files, bases, ("bypass", "merge"), files)
+    assert (none, moved) == (0, len(layers))
+    for n in layers:
+        assert_close_to_truth(mixed[n], merged[n], reference_files[reader].y_base[torch.float32][n], 0.0, n)
 
 
 class PackedTensor(torch.Tensor):
