@@ -245,6 +245,23 @@ def test_stacked_bypass_in_order_equals_chained_merge(reference_files, bases):
         assert_close_to_truth(bypassed[n], merged[n], y_base, 0.0, n)
 
 
+# Pairs on the same layers mixing every kind of form: additive, output-side maps (OFT/BOFT/(IA)³), input-side ones
+# ((IA)³ on the input, DoRA on the input axis), readers prepared from W (GLoRA, DoRA), in both orders.
+CHAINS = [("ia3_on_input", "locon"), ("locon", "ia3_on_input"), ("oft_rescaled", "loha_dora_in"),
+          ("loha_dora_in", "glora"), ("boft_constraint", "ia3_on_input"), ("lokr", "locon_dora_out"),
+          ("glora", "boft"), ("ia3", "lokr_dora_in"), ("loha", "oft")]
+
+
+@pytest.mark.parametrize("files", CHAINS, ids=["+".join(pair) for pair in CHAINS])
+def test_bypass_chains_equal_chained_merges(reference_files, bases, files):
+    """Any two forms on one layer, bypassed in order, equal the two merges in that order."""
+    merged, layers, _ = chained_outputs(reference_files, bases, ("merge", "merge"), files)
+    bypassed, _, count = chained_outputs(reference_files, bases, ("bypass", "bypass"), files)
+    assert count == len(weight_layers(reference_files[files[1]].variant))
+    for n in layers:
+        assert_close_to_truth(bypassed[n], merged[n], reference_files[files[1]].y_base[torch.float32][n], 0.0, n)
+
+
 def test_weight_reader_merged_after_a_bypassed_file_runs_after_it(reference_files, bases):
     """A file whose change reads W, merged after a bypassed file on the same layers, could not see that file's change
     in the weight; it is bypassed too (kept in order), so the result is still the two chained merges."""
@@ -265,6 +282,37 @@ def test_file_merged_after_a_bypassed_weight_reader_runs_after_it(reference_file
     assert (none, moved) == (0, len(layers))
     for n in layers:
         assert_close_to_truth(mixed[n], merged[n], reference_files[reader].y_base[torch.float32][n], 0.0, n)
+
+
+@pytest.mark.parametrize("reader", ["glora", "locon_dora_out", "oft_rescaled"])
+def test_prepared_forms_follow_a_hook_changing_the_weight(reference_files, bases, reader):
+    """Forms prepared from W (DoRA's norm, GLoRA's W·A, an output map's bias) are made again when ComfyUI changes
+    the weight of a loaded model: a weight hook (a LoCon) patched in between two forwards gives the reader applied
+    on the hooked weight, as chained merges do. (ComfyUI patches hooks with the injections ejected.)"""
+    import comfy.hooks
+
+    hooked, second = reference_files["locon"], reference_files[reader]
+    net = factory_model(bases[torch.float32], torch.float32)
+    base = patcher(net)
+    reader_patches, _ = lycoris_patches(load(second.path), net, FACTORY_KEY_MAP)
+    hook = comfy.hooks.WeightHook()
+    hook.weights, hook.need_weight_init = lycoris_patches(load(hooked.path), net, FACTORY_KEY_MAP)[0], False
+    group = comfy.hooks.HookGroup()
+    group.add(hook)
+    clone, _ = patched_clone(base, reader_patches, 0.5, apply_mode="bypass")
+    clone.register_all_hook_patches(group, comfy.hooks.create_target_dict(comfy.hooks.EnumWeightTarget.Model))
+    full_load(clone)
+    layers = [n for n in weight_layers(second.variant) if n in hooked.variant.layers]
+    before = {n: getattr(net, n)(probe(n).float()).double() for n in layers}
+    clone.patch_hooks(group)
+    after = {n: getattr(net, n)(probe(n).float()).double() for n in layers}
+    clone.patch_hooks(None)
+    clone.detach()
+    clone.unpatch_model(base.offload_device)
+    truth, _, _ = chained_outputs(reference_files, bases, ("merge", "merge"), ("locon", reader))
+    for n in layers:
+        assert not torch.allclose(before[n], after[n]), f"{n}: the hook changed nothing"
+        assert_close_to_truth(after[n], truth[n], second.y_base[torch.float32][n], 0.0, n)
 
 
 class PackedTensor(torch.Tensor):
