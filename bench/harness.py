@@ -31,49 +31,97 @@ def median(values) -> float:
     return statistics.median(list(values))
 
 
+def spread(values) -> str:
+    """"±x%": half the range of `values` relative to their median."""
+    values = list(values)
+    mid = median(values)
+    return f"±{50 * (max(values) - min(values)) / mid:.0f}%" if mid else "±0%"
+
+
+def _against(limit: float, value: float, low: float, high: float) -> tuple[bool, bool]:
+    """(met, within noise): the median meets the limit; the limit lies inside the repetitions' range."""
+    return value <= limit, low <= limit < high
+
+
 @dataclass
 class Row:
-    """One result line: `<name>: <note> <status> ours=<v> builtin=<v> ratio=<ours/builtin> goal=<goal>`.
+    """One result line: `<name>: <note> <status> ours=<v> builtin=<v> ratio=<ours/builtin> [<lo>-<hi>] goal=<goal>`.
 
-    `limit` is the goal on the ratio (None: report only); `also_ok` is a second condition of the goal (the machine
-    floor of the merge rows). MISSED says which part was missed.
+    `ours_runs` and `builtin_runs` hold one value per repetition, measured in turn (pairs: the same repetition), so
+    the ratio's range is that of the per-repetition ratios; `ours` and `builtin` are medians and `ratio` is
+    ours/builtin. `builtin_runs` is None when the built-in cannot do the work at all (no adapter for the format).
+    `limit` is the goal on the ratio (None: report only); `ours_limit` is a goal on ours alone (row 1's 2 × floor).
+    A part whose goal lies inside its range over the repetitions is "within noise": the status says so, and MISSED
+    says which parts were missed.
     """
 
     name: str
-    ours: float | None
-    builtin: float | None
+    ours_runs: list[float]
+    builtin_runs: list[float] | None
     goal: str
     limit: float | None = None
     unit: str = "s"
     note: str = ""
-    also_ok: bool = True
+    ours_limit: float | None = None
     comparable: bool = True  # False when the built-in did not do the work (a patch failed and was skipped)
 
     @property
+    def ours(self) -> float:
+        return median(self.ours_runs)
+
+    @property
+    def builtin(self) -> float | None:
+        return median(self.builtin_runs) if self.builtin_runs else None
+
+    @property
     def ratio(self) -> float | None:
-        if self.ours is None or not self.builtin:
+        if not self.builtin:
             return None
         return self.ours / self.builtin
 
     @property
+    def ratios(self) -> list[float]:
+        return [o / b for o, b in zip(self.ours_runs, self.builtin_runs or []) if b]
+
+    @property
+    def ratio_range(self) -> str:
+        return f"{min(self.ratios):.3f}-{max(self.ratios):.3f}" if self.ratios else "n/a"
+
+    def parts(self) -> dict[str, tuple[bool, bool]]:
+        parts = {}
+        if self.limit is not None and self.ratio is not None:
+            parts["ratio"] = _against(self.limit, self.ratio, min(self.ratios), max(self.ratios))
+        if self.ours_limit is not None:
+            parts["floor"] = _against(self.ours_limit, self.ours, min(self.ours_runs), max(self.ours_runs))
+        return parts
+
+    @property
     def status(self) -> str:
-        if self.ratio is None or not self.comparable:
+        if not self.comparable:
             return "N/A"
-        if self.limit is None:
-            return "REPORT"
-        missed = [part for part, ok in (("ratio", self.ratio <= self.limit), ("floor", self.also_ok)) if not ok]
-        return "MISSED:" + ",".join(missed) if missed else "MET"
+        parts = self.parts()
+        if not parts:
+            return "N/A" if self.limit is not None else "REPORT"
+        missed = [name for name, (met, _) in parts.items() if not met]
+        if not missed:
+            return "MET (within noise)" if any(noisy for _, noisy in parts.values()) else "MET"
+        noisy = all(parts[name][1] for name in missed)
+        return "MISSED:" + ",".join(missed) + (" (within noise)" if noisy else "")
 
     def value(self, v: float | None) -> str:
         if v is None:
             return "n/a"
         return str(int(v)) if self.unit == "B" else f"{v:.4g}"
 
+    def cell(self, runs: list[float] | None) -> str:
+        """Median and its spread over the repetitions."""
+        return "n/a" if not runs else f"{self.value(median(runs))} {spread(runs)}"
+
     def line(self) -> str:
-        ratio = "n/a" if self.ratio is None else f"{self.ratio:.3f}"
+        ratio = "n/a" if self.ratio is None else f"{self.ratio:.3f} [{self.ratio_range}]"
         note = f"{self.note} " if self.note else ""
-        return (f"{self.name}: {note}{self.status} ours={self.value(self.ours)} builtin={self.value(self.builtin)} "
-                f"ratio={ratio} goal={self.goal}")
+        return (f"{self.name}: {note}{self.status} ours={self.cell(self.ours_runs)} "
+                f"builtin={self.cell(self.builtin_runs)} ratio={ratio} goal={self.goal} (n={len(self.ours_runs)})")
 
 
 class AdapterErrors(logging.Filter):
@@ -83,13 +131,13 @@ class AdapterErrors(logging.Filter):
 
     def __init__(self):
         super().__init__()
-        self.count, self.first = 0, ""
+        self.count, self.last = 0, ""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if record.levelno >= logging.ERROR and message.startswith("ERROR "):
             self.count += 1
-            self.first = self.first or message
+            self.last = message
             return False
         return True
 

@@ -143,8 +143,8 @@ def main(argv=None) -> int:
             base = times["none"]
             log(f"{model_name}, {label}: no adapter {base:.4f} s/step, ComfyUI's loader {times['builtin']:.4f}")
             for mode in ("merge", "auto", "bypass"):
-                row = Row(f"{model_name}, {label}: ours {mode} vs ComfyUI LoraLoader", times[mode], times["builtin"],
-                          "report", note=f"no adapter {base:.3f} s/step; ours {(times[mode] - base) / base:+.0%}, "
+                row = Row(f"{model_name}, {label}: ours {mode} vs ComfyUI LoraLoader", [times[mode]],
+                          [times["builtin"]], "report", note=f"no adapter {base:.3f} s/step; ours {(times[mode] - base) / base:+.0%}, "
                           f"ComfyUI {(times['builtin'] - base) / base:+.0%} of it")
                 rows.append(row)
                 log(row.line())
