@@ -1,6 +1,9 @@
 """The loader nodes: LyCORIS Loader and LyCORIS Loader (Model Only)."""
 
+import weakref
+
 import folder_paths
+import torch
 from comfy_api.latest import io
 
 from .apply import apply_file, is_off, map_file
@@ -91,6 +94,29 @@ def fingerprint_by_file(cls, lycoris_name=None, **_inputs) -> str:
     return file_stamp(lycoris_name)
 
 
+# The panel's chart at strength 1, per model object (clones share it; the chart reads the weights as loaded, not a
+# clone's patches), then per (file identity, side, block weights). In linear strength mode every change is linear in
+# the strength, W'(m) − W = m·(W'(1) − W), so each block's ‖ΔW‖/‖W‖ at strength s is |s| times its value at 1: a
+# strength change rescales the cached chart instead of another patch pass over every touched weight (0.25 s on one
+# SDXL transformer block, six times the re-patching itself; bench/README.md). Numbers only: no tensor is kept.
+_charts: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def measured_blocks(path: str, report, patchers: dict, strengths: dict[str, float], weights=None) -> list[dict]:
+    """block_changes at these strengths, measured once per model, file, side and block weights and rescaled."""
+    if any(applied.plan.reference for applied in report.targets.values()):
+        return block_changes(report, patchers, strengths, weights)  # LyCORIS semantics: DoRA, OFT not linear in m
+    identity = file_identity(path)
+    blocks = []
+    for side, patcher in patchers.items():  # model, then clip: block_changes' model order (no block spans both)
+        charts = _charts.setdefault(patcher.model, {})
+        key = (identity, side, weights)
+        if key not in charts:
+            charts[key] = block_changes(report, {side: patcher}, {side: 1.0}, weights)
+        blocks += [{**block, "change": abs(strengths[side]) * block["change"]} for block in charts[key]]
+    return blocks
+
+
 def panel_ui(path: str, report, model, clip, strength_model: float, strength_clip: float, weights=None) -> dict:
     """The panel's payload: coverage, per-block change (when cheap enough on every run) and the file summary.
     Not measured (blocks None, the reason in `not_measured`) for a large file, or when dynamic VRAM loading keeps
@@ -102,7 +128,7 @@ def panel_ui(path: str, report, model, clip, strength_model: float, strength_cli
     elif any(is_dynamic(patcher) for patcher in patchers.values()):
         not_measured = "weights offloaded by dynamic VRAM loading"
     else:
-        blocks = block_changes(report, patchers, {"model": strength_model, "clip": strength_clip}, weights)
+        blocks = measured_blocks(path, report, patchers, {"model": strength_model, "clip": strength_clip}, weights)
     data = payload(path, report, blocks)
     if not_measured:
         data["not_measured"] = not_measured
