@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import dora
 from .algos import BY_NAME
 from .algos.base import Form, FormSite, LayerOp
 from .casting import cast, cast_all, compute_dtype
@@ -89,12 +90,15 @@ def _form(c: Contribution, op: LayerOp, shape: tuple[int, ...], x: torch.Tensor,
           weight: torch.Tensor | None, bias: torch.Tensor | None) -> Form | None:
     """The contribution's form at this site, or None for the dense path."""
     algorithm = BY_NAME[c.plan.algorithm]
-    if algorithm.bypass is None or c.plan.dora_axis is not None:
+    if algorithm.bypass is None:
         return None
     rows_shape = shape if c.rows is None else (c.rows[1], *shape[1:])
     site = FormSite(op, rows_shape, c.strength, c.plan.reference, x.dtype, x.device,
                     c.rows_of(weight) if c.reads_weight and weight is not None else None, _rows(bias, c.rows, 0))
-    form = algorithm.bypass(c.tensors, c.plan.layout, site)
+    if c.plan.dora_axis is not None:  # the algorithm's own form inside DoRA's gains (dora.py)
+        form = dora.bypass(algorithm, c.tensors, c.plan.layout, c.plan.dora_axis, site)
+    else:
+        form = algorithm.bypass(c.tensors, c.plan.layout, site)
     if form is not None and form.input_side and c.rows is not None:
         return None  # an input-side change of some rows only is no change of the layer's input
     return form

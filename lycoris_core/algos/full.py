@@ -5,6 +5,9 @@
 
 The difference is added as stored (`dense`): cast piece by piece by casting.add_scaled, never as a whole fp32 copy.
 The bias parts patch the layer's `bias` and are separate modules for patching purposes.
+
+Bypass: no form. ΔW is the stored diff itself, as large as W, so F(x; m·diff) is already the cheapest exact form, and
+it is what the dense path computes (diff cast at each forward, not staged: a staged copy would be a second model).
 """
 
 import torch

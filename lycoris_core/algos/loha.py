@@ -8,14 +8,45 @@ Both products are low-rank, A @ B (the Tucker form folded by `tucker_factors`), 
 at a time and added into W (`casting.pieces`): only two pieces exist at once, never a weight-sized temporary.
 
 s is applied once, as in the reference's forward pass (its get_diff_weight/merge_to apply it twice; see the spec).
+
+Bypass: a Hadamard product of two products is one product of rank r₁·r₂,
+
+    (A₁B₁ ⊙ A₂B₂)[o, n] = Σᵢⱼ A₁[o, i]·A₂[o, j] · B₁[i, n]·B₂[j, n] = (U V)[o, n],
+    U[o, (i, j)] = A₁[o, i]·A₂[o, j]   (out, r₁r₂),     V[(i, j), n] = B₁[i, n]·B₂[j, n]   (r₁r₂, in·∏k)
+
+so ΔW·x = s·m · up(down(x)) as for LoCon, with down = V (the layer's geometry) and up = U (pointwise), both formed once
+at prepare. Tucker likewise: with Rₖ[o, n, …] = Σ tₖ[p, q, …]·aₖ[p, o]·bₖ[q, n], the product R₁ ⊙ R₂ is a Tucker
+product of rank r₁r₂ with core T[(p, p'), (q, q'), …] = t₁[p, q, …]·t₂[p', q', …], left a₁ ⊙ a₂ and right b₁ ⊙ b₂
+(row-wise Kronecker products): down pointwise, T with the geometry, up pointwise.
+
+It is used where it costs fewer multiplications per output position than the layer itself (the dense path rebuilds
+ΔW and adds one more op of the layer's size):
+
+    r₁r₂·(in·∏k + out) < in·∏k·out          Tucker: r₁r₂·(in + r₁r₂·∏k + out) < in·∏k·out
+
+(e.g. r = 16 on a 1280×1280 Linear: 2.6 times fewer; r = 32 there would not be). Otherwise, and on grouped convs,
+the dense path.
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 
-from ..casting import pieces
-from .base import Algorithm, Layout, Tensors, expect, require, rows_2d, scale_from_alpha, tucker_factors
+from ..casting import cast, pieces
+from .base import (
+    Additive,
+    Algorithm,
+    FormSite,
+    LayerOp,
+    Layout,
+    Tensors,
+    expect,
+    require,
+    rows_2d,
+    scale_from_alpha,
+    tucker_factors,
+)
 
 W1A, W1B, W2A, W2B, T1, T2 = "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"
 
@@ -45,6 +76,17 @@ def _factors(t: Tensors, wa: str, wb: str, core: str) -> tuple[torch.Tensor, tor
     return t[wa], t[wb]
 
 
+def row_adder(t: Tensors, lay: Layout, m: float) -> Callable[[torch.Tensor, int], None]:
+    """add(out, first): out += m·ΔW[first:first + len(out)], from the same row pieces of both products."""
+    (a1, b1), (a2, b2) = _factors(t, W1A, W1B, T1), _factors(t, W2A, W2B, T2)
+
+    def add(out: torch.Tensor, first: int) -> None:
+        part = slice(first, first + out.shape[0])
+        rows_2d(out).addcmul_(a1[part] @ b1, a2[part] @ b2, value=lay.scale * m)
+
+    return add
+
+
 def add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: torch.Tensor) -> None:
     (a1, b1), (a2, b2) = _factors(t, W1A, W1B, T1), _factors(t, W2A, W2B, T2)
     rows = rows_2d(out)
@@ -53,7 +95,50 @@ def add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: torch
         rows[part].addcmul_(a1[part] @ b1, a2[part] @ b2, value=lay.scale * m)
 
 
+def _rowwise_kron(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(r₁, n), (r₂, n) → (r₁r₂, n): row (i, j) is p[i] ⊙ q[j]."""
+    return (p[:, None] * q[None]).reshape(p.shape[0] * q.shape[0], *p.shape[1:])
+
+
+class Hadamard(Additive):
+    """ΔW·x = up(mid(down(x))) with the rank-r₁r₂ factors of the Hadamard product, s·m in up."""
+
+    def __init__(self, up: torch.Tensor, down: torch.Tensor, mid: torch.Tensor | None, op: LayerOp):
+        self.op, self.up, self.down, self.mid = op, up, down, mid
+        self.mid_op = LayerOp(op.conv_dims, op.stride, op.padding, op.dilation)
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mid is not None:
+            inner = self.mid_op(self.op.pointwise(x, self.down), self.mid)
+        else:
+            inner = self.op(x, self.down)
+        return self.op.pointwise(inner, self.up)
+
+
+def bypass(t: Tensors, lay: Layout, at: FormSite) -> Hadamard | None:
+    if at.op.groups != 1:
+        return None
+    f = {name: cast(v, at.device, torch.float32) for name, v in t.items()}
+    out, channels, kernel = at.shape[0], at.shape[1], math.prod(at.shape[2:])
+    scale = lay.scale * at.strength
+    if T1 in f:  # a-factors (r, out), b-factors (r, in): rank r₁r₂ Tucker
+        rank = f[T1].shape[0] * f[T2].shape[0]
+        if rank * (channels + rank * kernel + out) >= channels * kernel * out:
+            return None
+        up = _rowwise_kron(f[W1A], f[W2A]).transpose(0, 1) * scale
+        down = _rowwise_kron(f[W1B], f[W2B])
+        t1, t2 = f[T1], f[T2]
+        core = (t1[:, None, :, None] * t2[None, :, None, :]).reshape(rank, rank, *t1.shape[2:])
+        return Hadamard(at.cast(up), at.cast(down), at.cast(core), at.op)
+    rank = f[W1B].shape[0] * f[W2B].shape[0]
+    if rank * (channels * kernel + out) >= channels * kernel * out:
+        return None
+    up = _rowwise_kron(f[W1A].transpose(0, 1), f[W2A].transpose(0, 1)).transpose(0, 1) * scale
+    down = _rowwise_kron(f[W1B], f[W2B]).reshape(rank, *at.shape[1:])
+    return Hadamard(at.cast(up), at.cast(down), None, at.op)
+
+
 ALGORITHM = Algorithm(
     name="loha", label="LoHa", markers=(W1A,), keys=(W1A, W1B, W2A, W2B, T1, T2),
-    layout=layout, add_into=add_into, supports_dora=True,
+    layout=layout, add_into=add_into, supports_dora=True, bypass=bypass,
 )

@@ -19,14 +19,40 @@ b rows do not divide the q/k/v sizes it repeats W₁ whole and writes `row_offse
 change of such a module is rows [o, o + R) of the fused ΔW, R being the target's rows. Row r of kron(W₁, W₂) is
 W₁[r // b] ⊗ W₂[r % b], so the window is at most three runs of rows (a partial block of W₂'s rows, whole blocks,
 a partial block), each one broadcast addcmul_ as above.
+
+Bypass: with x's input channels read as (c, d) (X[j, q] = x[j·d + q]) and the output's as (a, b),
+
+    ΔW·x = s·m · W₁ · X · W₂ᵀ        linear, per token: (a, c)·(c, d)·(d, b), reshaped to a·b outputs
+    ΔW·x = s·m · W₁ ·_c conv(X, W₂)  conv: W₂ (b, d, *k) is a conv over each of the c channel groups (batched as
+                                     N·c images of d channels, with the layer's stride, padding and dilation), then
+                                     the c groups are mixed by W₁ at every output position
+
+W₁ may equally go first (mix the c groups of the input, then W₂ on a groups): whichever order costs fewer
+multiplications per token (linear: b·c·(d + a) against a·d·(c + b)). W₁ and W₂ are formed once at prepare (a
+decomposed or Tucker W₂ is 1/(a·c) of the weight), with s·m folded into W₁. A row window keeps its rows of the
+fused output. Grouped convolutions (input channels split by the layer's groups) take the dense path.
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .base import Algorithm, Layout, ShapeError, Tensors, expect, require, rows_2d, scale_from_alpha, tucker_factors
+from ..casting import cast
+from .base import (
+    Additive,
+    Algorithm,
+    FormSite,
+    Layout,
+    ShapeError,
+    Tensors,
+    expect,
+    require,
+    rows_2d,
+    scale_from_alpha,
+    tucker_factors,
+)
 
 W1, W1A, W1B = "lokr_w1", "lokr_w1_a", "lokr_w1_b"
 W2, W2A, W2B, T2 = "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2"
@@ -154,7 +180,84 @@ def add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: torch
         rows.addcmul_(w1[i:i + n_i, None, :, None], w2[None, j:j + n_j, None, :], value=alpha)
         done += n_i * n_j
 
+
+def row_adder(t: Tensors, lay: Layout, m: float) -> Callable[[torch.Tensor, int], None]:
+    """add(out, first): out += m·ΔW[first:first + len(out)], a window of the change's rows (of the target's, which
+    may itself be a row window of a fused change), as `add_into` adds a row window; W₁ and a decomposed W₂ (unless
+    W₁ is 1×1) are formed once for all windows."""
+    offset = lay.row_offset if isinstance(lay, RowWindowLayout) else 0
+    formed = dict(t)
+    if W2 not in t and math.prod(_w1(t).shape) > 1:
+        left, right = _w2_factors(t)
+        formed = {W1: _w1(t), W2: left @ right}
+
+    def add(out: torch.Tensor, first: int) -> None:
+        window = RowWindowLayout(lay.rank, lay.scale, lay.out, lay.flat_in, lay.shape, row_offset=offset + first)
+        add_into(formed, window, out, m, out)
+
+    return add
+
+
+class Kronecker(Additive):
+    """ΔW·x = W₁ · X · W₂ᵀ (conv: W₂ applied as a batched conv over the c input-channel groups), s·m in W₁."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor, at: FormSite, rows: tuple[int, int] | None):
+        self.op, self.w1, self.w2, self.rows = at.op, w1, w2, rows
+        (a, c), b, d = w1.shape, w2.shape[0], w2.shape[1]
+        kernel = math.prod(w2.shape[2:])
+        self.w2_first = b * c * (d * kernel + a) <= a * d * (c + b * kernel)
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        (a, c), b, d = self.w1.shape, self.w2.shape[0], self.w2.shape[1]
+        if not self.op.conv_dims:
+            groups = x.reshape(*x.shape[:-1], c, d)
+            if self.w2_first:  # (…, c, d) → (…, c, b) → (…, a, b)
+                y = torch.matmul(self.w1, torch.matmul(groups, self.w2.transpose(0, 1)))
+            else:  # (…, c, d) → (…, a, d) → (…, a, b)
+                y = torch.matmul(torch.matmul(self.w1, groups), self.w2.transpose(0, 1))
+            return self._window(y.reshape(*x.shape[:-1], a * b), -1)
+        unbatched = x.ndim == self.op.conv_dims + 1
+        if unbatched:
+            x = x.unsqueeze(0)
+        n, space = x.shape[0], x.shape[2:]
+        if self.w2_first:  # N·c images of d channels → (N, c, b·S') → mixed to (N, a, b·S')
+            z = self.op(x.reshape(n * c, d, *space), self.w2)
+            y = torch.matmul(self.w1, z.reshape(n, c, -1))
+        else:  # (N, c, d·S) mixed to (N, a, d·S) → N·a images of d channels → (N·a, b, S')
+            mixed = torch.matmul(self.w1, x.reshape(n, c, -1))
+            y = self.op(mixed.reshape(n * a, d, *space), self.w2)
+        out_space = y.shape[2:] if not self.w2_first else z.shape[2:]
+        y = self._window(y.reshape(n, a * b, *out_space), 1)
+        return y.squeeze(0) if unbatched else y
+
+    def _window(self, y: torch.Tensor, dim: int) -> torch.Tensor:
+        return y if self.rows is None else y.narrow(dim, *self.rows)
+
+
+def bypass(t: Tensors, lay: Layout, at: FormSite) -> Kronecker | None:
+    if at.op.groups != 1:
+        return None
+    f32 = {name: cast(v, at.device, torch.float32) for name, v in t.items() if name != ROW_OFFSET}
+    w1 = _w1(f32) * (lay.scale * at.strength)
+    (a, c), in_shape = w1.shape, at.shape[1:]
+    if in_shape[0] % c:
+        return None
+    if W2 in f32:
+        w2 = f32[W2]
+    else:
+        left, right = _w2_factors(f32)
+        w2 = left @ right
+    b, d = w2.shape[0], in_shape[0] // c
+    if w2.numel() != b * d * math.prod(in_shape[1:]):
+        return None
+    w2 = w2.reshape(b, d, *in_shape[1:])  # the kernel (if any) stays W₂'s, as in W's rows
+    rows = (lay.row_offset, at.shape[0]) if isinstance(lay, RowWindowLayout) else None
+    if rows is None and a * b != at.shape[0]:
+        return None
+    return Kronecker(at.cast(w1), at.cast(w2), at, rows)
+
+
 ALGORITHM = Algorithm(
     name="lokr", label="LoKr", markers=(W1, W1A), keys=(W1, W1A, W1B, W2, W2A, W2B, T2, ROW_OFFSET),
-    layout=layout, add_into=add_into, supports_dora=True,
+    layout=layout, add_into=add_into, supports_dora=True, bypass=bypass,
 )
