@@ -7,7 +7,7 @@ once: ComfyUI 0.33 hands adapters an fp16 copy of W with an fp32 intermediate an
 storage dtype, so W' read back from the fp16 copy would be rounded twice and be inf above 65504.
 
 Memory: the algorithms write into W itself (`add_into`, `merge_into`), so a patch makes at most one weight-sized
-temporary: the fp32 copy of W when W is in another dtype or not contiguous, or V's buffer for linear DoRA, or ΔW
+temporary: the fp32 copy of W when W is in another dtype or not contiguous, or V's buffer for linear DoRA at m ≠ 1, or ΔW
 when a `function` must see the change. A returned result is that same fp32 copy, so it adds none. Adapter tensors
 as large as W (Full) are never cast whole.
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from . import dora
-from .algos import BY_NAME
+from .algos import BY_NAME, locon, loha, lokr
 from .casting import cast, cast_all, compute_dtype, widens, working_copy
 from .keys import DORA_SCALE
 from .module import Plan
@@ -41,8 +41,9 @@ def merge(plan: Plan, t: dict[str, torch.Tensor], w: torch.Tensor, weight: torch
     if algorithm.merge_into is not None:
         algorithm.merge_into(t, plan.layout, w, m, plan.reference)
     elif plan.dora_axis is not None:
+        adder = ROW_PIECES.get(plan.algorithm)
         dora.merge_into(algorithm.add_into, t, plan.layout, w, weight, t[DORA_SCALE], plan.dora_axis, m,
-                        plan.reference)
+                        plan.reference, None if adder is None else adder(t, plan.layout, 1.0))
     else:
         algorithm.add_into(t, plan.layout, w, m, w)
 
@@ -82,9 +83,18 @@ def apply(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Tensor, st
     function = _real_function(function)
     dtype = compute_dtype(intermediate_dtype)
     t = cast_all(tensors, weight.device, dtype, keep=BY_NAME[plan.algorithm].dense)
+    row_adder = ROW_PIECES.get(plan.algorithm) if plan.algorithm in ROW_PIECES_16 else None
+    if (row_adder is not None and function is None and plan.dora_axis is None and weight.ndim >= 1
+            and weight.dtype in _PIECEWISE_DTYPES and dtype == torch.float32
+            and not widens(weight.dtype, intermediate_dtype)):
+        _add_in_pieces(row_adder(t, plan.layout, strength), weight)
+        return weight
     if function is None:
-        # linear DoRA reads W while V = W + ΔW is formed: V gets a buffer of its own
-        w = working_copy(weight, dtype, private=plan.dora_axis is not None and not plan.reference)
+        # linear DoRA at m != 1 reads W after V = W + ΔW is formed: V gets a buffer of its own (at m = 1, W' = g·V;
+        # the fused out-axis merge keeps W's rows itself)
+        fused = plan.dora_axis == dora.OUT and plan.algorithm in ROW_PIECES
+        w = working_copy(weight, dtype, private=plan.dora_axis is not None and not plan.reference and strength != 1
+                         and not fused)
         merge(plan, t, w, weight, strength)
     else:
         w = working_copy(weight, dtype)
@@ -95,6 +105,42 @@ def apply(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Tensor, st
     # that computes in it (a caller that reads weight instead, as ComfyUI does for offsets, gets the rounded W')
     weight.copy_(w)
     return w if widens(weight.dtype, intermediate_dtype) else weight
+
+
+def _locon_rows(t: dict[str, torch.Tensor], lay, m: float) -> dora.RowAdder:
+    """LoCon's rows [first, first + n) of s·m·A@B are s·m·A[first:first + n]@B."""
+    up, down = locon.factors(t, lay)
+
+    def add(out: torch.Tensor, first: int) -> None:
+        out.view(out.shape[0], -1).addmm_(up.narrow(0, first, out.shape[0]), down, alpha=lay.scale * m)
+
+    return add
+
+
+# Algorithms that add any window of their change's rows: row_adder(t, layout, m)(out, first) does out += m·ΔW[first:…]
+# (the fused DoRA merge for all; the piecewise 16-bit patch for LoKr only, ROW_PIECES_16)
+ROW_PIECES = {"lokr": lokr.row_adder, "locon": _locon_rows, "loha": loha.row_adder}
+ROW_PIECES_16 = ("lokr",)
+_PIECEWISE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@torch.no_grad()  # a weight that requires grad is patched in place all the same
+def _add_in_pieces(add_rows: Callable[[torch.Tensor, int], None], weight: torch.Tensor) -> None:
+    """weight += m·ΔW for a 16-bit weight, a piece of rows at a time through one reused fp32 buffer (in cache): each
+    piece is widened into it, ΔW's rows are added there, and it is rounded back once. The same values as the fp32
+    working copy (the same elementwise operations on the same rows; a 1×1 LoKr W₁'s rank-r product may round by an
+    ulp of fp32 differently), but W is read and written once, in its own dtype, instead of widened whole, added to
+    and copied back (LowVramPatch does this at every forward of an offloaded layer). No weight-sized temporary."""
+    rows = weight.shape[0]
+    row_elements = weight[0].numel() if weight.ndim > 1 else 1
+    size = dora.piece_rows(rows, 4 * row_elements)
+    buffer = torch.empty((size, *weight.shape[1:]), dtype=torch.float32, device=weight.device)
+    for start in range(0, rows, size):
+        length = min(size, rows - start)
+        piece, rows_of_w = buffer.narrow(0, 0, length), weight.narrow(0, start, length)
+        piece.copy_(rows_of_w)
+        add_rows(piece, start)
+        rows_of_w.copy_(piece)
 
 
 def change_norms(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Tensor, strength: float
