@@ -69,27 +69,28 @@ def add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: torch
 
 
 class Factored(Additive):
-    """ΔW·x = s·m · up(mid(down(x))), the factors cast once to the site's dtype and device."""
+    """ΔW·x = s·m · up(mid(down(x))), the factors cast once to the site's work dtype and device."""
 
     def __init__(self, t: Tensors, lay: Layout, at: FormSite):
-        op, scale = at.op, lay.scale * at.strength
+        op, scale, dtype = at.op, lay.scale * at.strength, at.work_dtype
         self.op = op
-        self.up = at.cast(t[UP]).reshape(lay.out, lay.rank) * scale  # the scale folded into the smallest factor
-        down = at.cast(t[DOWN])
+        self.up = at.cast(t[UP], dtype).reshape(lay.out, lay.rank) * scale  # the scale folded into the smallest factor
+        down = at.cast(t[DOWN], dtype)
         if MID in t:
             self.down = down.reshape(lay.rank, at.shape[1])  # pointwise
-            self.mid = LayerOp(op.conv_dims, op.stride, op.padding, op.dilation), at.cast(t[MID])
+            self.mid = LayerOp(op.conv_dims, op.stride, op.padding, op.dilation), at.cast(t[MID], dtype)
         else:
             self.down = down.reshape(lay.rank, *at.shape[1:])
             self.mid = None
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
+        work = x.to(self.up.dtype)
         if self.mid is not None:
             mid_op, mid = self.mid
-            inner = mid_op(self.op.pointwise(x, self.down), mid)
+            inner = mid_op(self.op.pointwise(work, self.down), mid)
         else:
-            inner = self.op(x, self.down)
-        return self.op.pointwise(inner, self.up)
+            inner = self.op(work, self.down)
+        return self.op.pointwise(inner, self.up).to(x.dtype)
 
 
 def bypass(t: Tensors, lay: Layout, at: FormSite) -> Factored | None:
