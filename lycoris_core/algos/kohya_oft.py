@@ -10,12 +10,15 @@ Where it differs from LyCORIS' diag-OFT (oft.py), which has the same layout: alp
 but means "unconstrained" there; ε sits on both sides of the ratio; there is no `rescale`; and alpha is required
 (sd-scripts cannot load a file without it either). sd-scripts writes `oft_unet_….oft_blocks`; keys.py reads those
 blocks under BLOCKS, so that the file's own definition is the one applied.
+
+Bypass: the output-channel map of oft.py (`oft.row_rotation`), from this file's own Cayley transform.
 """
 
 import torch
 
-from .base import Algorithm, Layout, ShapeError, Tensors, expect, require
-from .oft import OFTLayout, interpolate, merge_columns, rotate_rows
+from ..casting import cast
+from .base import Algorithm, FormSite, Layout, ShapeError, Tensors, expect, require
+from .oft import ChannelMap, OFTLayout, merge_blocks, row_blocks, row_rotation
 
 BLOCKS = "kohya_oft_blocks"
 EPSILON = 1e-8
@@ -40,13 +43,14 @@ def cayley(blocks: torch.Tensor, constraint: float) -> torch.Tensor:
 
 
 def merge_into(t: Tensors, lay: OFTLayout, weight: torch.Tensor, m: float, reference: bool) -> None:
-    rotation = cayley(t[BLOCKS], lay.constraint)
-    if reference:
-        rotation = interpolate(rotation, m)
-    merge_columns(t, weight, m, reference, lambda columns: rotate_rows(rotation, columns))
+    merge_blocks(row_blocks(cayley(t[BLOCKS], lay.constraint), t, m, reference), weight)
+
+
+def bypass(t: Tensors, lay: OFTLayout, at: FormSite) -> ChannelMap | None:
+    return row_rotation(cayley(cast(t[BLOCKS], at.device, torch.float32), lay.constraint), t, at)
 
 
 ALGORITHM = Algorithm(
     name="kohya-oft", label="OFT (kohya)", markers=(BLOCKS,), marker_ndim=3, keys=(BLOCKS,),
-    layout=layout, merge_into=merge_into,
+    layout=layout, merge_into=merge_into, bypass=bypass,
 )
