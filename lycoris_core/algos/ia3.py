@@ -6,13 +6,18 @@
 Patched as W += m·(w ⊙ W), one in-place addcmul_ broadcast along the axis (no temporary).
 
 `weight` is (out,) for Linear and (1, out, 1…) for conv (or the `in` forms); only its length matters.
+
+Bypass (`ChannelScale`): a scale of the layer's output channels, W'x + b = (1 + m·w) ⊙ (y − b) + b, or of its
+input channels, W'x = W·((1 + m·w) ⊙ x) (an input-side form; a grouped conv's scale repeats for every group): one
+multiply per element, whatever the kernel, stride or padding.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from .base import Algorithm, Layout, ShapeError, Tensors, require, scalar
+from ..casting import cast
+from .base import Algorithm, Form, FormSite, Layout, ShapeError, Tensors, require, scalar
 
 WEIGHT, ON_INPUT = "weight", "on_input"
 
@@ -42,7 +47,33 @@ def add_into(t: Tensors, lay: IA3Layout, weight: torch.Tensor, m: float, out: to
     out.addcmul_(weight, t[WEIGHT].reshape(shape), value=m)
 
 
+class ChannelScale(Form):
+    """W' = diag(s)·W (output side: s ⊙ (y − b) + b = s ⊙ y + c, c = b − s ⊙ b) or W' = W·diag(s) (input side,
+    `axis` 1: W·(s ⊙ x)), s formed once in fp32 and cast."""
+
+    def __init__(self, scale: torch.Tensor, axis: int, at: FormSite):
+        self.op, self.input_side = at.op, axis == 1
+        if self.input_side:
+            scale = scale.repeat(at.op.groups)  # W's axis 1 holds one group's inputs
+        self.scale = at.cast(scale)
+        shift = None if self.input_side or at.bias is None else at.cast(at.bias - scale * at.bias)
+        self.shift = shift if shift is None or not at.op.conv_dims else shift.reshape(-1, *at.op.point)
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op.scale_channels(x, self.scale) if self.input_side else x
+
+    def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.input_side:
+            return y
+        scaled = self.op.scale_channels(y, self.scale)
+        return scaled if self.shift is None else scaled.add_(self.shift)
+
+
+def bypass(t: Tensors, lay: IA3Layout, at: FormSite) -> ChannelScale:
+    return ChannelScale(1 + at.strength * cast(t[WEIGHT], at.device, torch.float32).reshape(-1), lay.axis, at)
+
+
 ALGORITHM = Algorithm(
     name="ia3", label="(IA)³", markers=(ON_INPUT,), keys=(WEIGHT,),
-    layout=layout, add_into=add_into, uses_alpha=False,
+    layout=layout, add_into=add_into, uses_alpha=False, bypass=bypass,
 )

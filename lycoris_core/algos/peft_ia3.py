@@ -13,13 +13,18 @@ PEFT's merge also scales the bias of a layer that is not feed-forward: b' = l �
 none. Its side is told the same way; a conv without config whose `ia3_l` does not fit the bias scales the inputs.
 
 Patched as W += m·((l − 1) ⊙ W), one in-place addcmul_ broadcast along the axis (no weight-sized temporary).
+
+Bypass: ia3.ChannelScale with s = 1 + m·(l − 1), on the output channels (the bias kept: its own change is the bias
+module's) or on the input (feed-forward layers, an input-side form).
 """
 
 from dataclasses import dataclass, replace
 
 import torch
 
-from .base import Algorithm, Layout, ShapeError, Tensors, expect, require
+from ..casting import cast
+from .base import Algorithm, FormSite, Layout, ShapeError, Tensors, expect, require
+from .ia3 import ChannelScale
 from .peft_oft import OPTION_PREFIX, read_options
 
 SCALES = "ia3_l"
@@ -81,9 +86,13 @@ def add_into(t: Tensors, lay: PeftIA3Layout, weight: torch.Tensor, m: float, out
     out.addcmul_(weight, t[SCALES].reshape(shape) - 1, value=m)
 
 
+def bypass(t: Tensors, lay: PeftIA3Layout, at: FormSite) -> ChannelScale:
+    return ChannelScale(1 + at.strength * (cast(t[SCALES], at.device, torch.float32).reshape(-1) - 1), lay.axis, at)
+
+
 ALGORITHM = Algorithm(
     name="peft-ia3", label="(IA)³ (PEFT)", markers=(SCALES,), keys=(SCALES, *OPTION_KEYS),
-    layout=layout, add_into=add_into, uses_alpha=False,
+    layout=layout, add_into=add_into, uses_alpha=False, bypass=bypass,
 )
 
 
