@@ -8,21 +8,44 @@
 
 Added into W factor by factor (never the in×in product A₁A₂): P = W ×_in A₁ (out × r·∏k, small) is formed first,
 so every read of W is done before W is written. Linear and 1×1 conv: W₂ += s·m·[P | B₁] @ [A₂ ; B₂], one addmm_ and
-no temporary. Conv with k > 1: the same a piece of output rows at a time (`casting.pieces`; a row of ΔW reads only
-that row of W).
+no temporary. Conv with k > 1: a piece of output rows at a time (`casting.pieces`; a row of ΔW reads only that row of
+W), the piece laid out inputs first (in, rows·∏k) so that A₁ᵀ and A₂ᵀ are two plain matmuls on it, then
+W += s·m·B₁B₂ (addmm_) and the piece's W ×_in A₁A₂ added back in W's layout.
 
 The layouts are told apart by shape. Both can fit a square weight, so the choice is made against the target weight
 (`resolve`); only r == in == out stays ambiguous, and then the current (new) layout is assumed. ΔW depends on W as it
 stands when the patch is computed, so stacked patches apply in order.
+
+Bypass (`Factored`): with A₁ (in, r), A₂ (r, in) the first and second input factors of either layout,
+
+    W'x = Wx + s·m·(W ×_in A₁)(A₂ x) + s·m·B₁(B₂ x)
+
+(W ×_in A₁A₂ applied by a conv is the conv of W on the input mapped by A₁A₂ per position: zero padding commutes with a
+channel map). P = W ×_in A₁ (out × r·∏k) is formed once per injection from the weight before this adapter; then
+Linear and 1×1 convs run [P | B₁]·([A₂ ; B₂]·x), two thin matmuls, and convs with k > 1 run P with the layer's
+geometry on A₂x (r channels) plus B₁ on B₂ with the geometry: no extra product with W in the forward.
+Grouped convs have no form (A₂ would act per group).
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..casting import pieces
-from .base import Algorithm, Layout, ShapeError, Tensors, expect, require, rows_2d, scale_from_alpha
+from ..casting import cast, pieces
+from .base import (
+    Additive,
+    Algorithm,
+    FormSite,
+    Layout,
+    ShapeError,
+    Tensors,
+    expect,
+    require,
+    rows_2d,
+    scale_from_alpha,
+)
+from .oft import work_dtype
 
 A1, A2, B1, B2 = "a1.weight", "a2.weight", "b1.weight", "b2.weight"
 
@@ -74,25 +97,66 @@ def layout(t: Tensors, alpha: float | None) -> Layout:
     return GLoRALayout(first.rank, first.scale, first.out, first.flat_in, candidates=tuple(candidates))
 
 
-def add_into(t: Tensors, lay: GLoRALayout, weight: torch.Tensor, m: float, out: torch.Tensor) -> None:
+def _factors(t: Tensors, lay: GLoRALayout) -> tuple[torch.Tensor, ...]:
+    """(A₁ (in, r), A₂ (r, in), B₁ (out, r), B₂ (r, in·∏k)) of ΔW = s·(W ×_in A₁A₂ + B₁B₂), whichever the layout."""
     a1, a2, b1, b2 = (_flat(t[k], k) for k in (A1, A2, B1, B2))
-    first, second, low_left, low_right = (a2, a1, b2, b1) if lay.old else (a1, a2, b1, b2)
+    return (a2, a1, b2, b1) if lay.old else (a1, a2, b1, b2)
+
+
+def add_into(t: Tensors, lay: GLoRALayout, weight: torch.Tensor, m: float, out: torch.Tensor) -> None:
+    first, second, low_left, low_right = _factors(t, lay)
     alpha = lay.scale * m
     if all(d == 1 for d in weight.shape[2:]):
         w = weight.reshape(weight.shape[0], weight.shape[1])
         left = torch.cat([w @ first, low_left], dim=1)  # reads W; out is written only below
         rows_2d(out).addmm_(left, torch.cat([second, low_right]), alpha=alpha)
         return
-    kernel = weight.reshape(weight.shape[0], weight.shape[1], -1)  # (out, in, prod(k))
-    target = out.view(kernel.shape)
+    kernel = weight.reshape(weight.shape[0], weight.shape[1], -1)  # (out, in, ∏k)
+    target, inputs, taps = out.view(kernel.shape), kernel.shape[1], kernel.shape[2]
     for start, length in pieces(kernel.shape[0], kernel[0].numel() * kernel.element_size()):
         part = slice(start, start + length)
-        # these rows of W ×_in A₁A₂ read only these rows of W; batched matmuls keep W's layout (no permuted copy)
-        delta = torch.matmul(second.transpose(0, 1), torch.matmul(first.transpose(0, 1), kernel[part]))
-        rows_2d(delta).addmm_(low_left[part], low_right)
-        target[part].add_(delta, alpha=alpha)
+        # these rows of W ×_in A₁A₂ read only these rows of W. Inputs first, (in, rows·∏k), both products are plain
+        # GEMMs (batched per row they are ~3× slower); the piece is read before its rows are written
+        rows = kernel[part].transpose(0, 1).reshape(inputs, length * taps)
+        term = second.transpose(0, 1) @ (first.transpose(0, 1) @ rows)
+        rows_2d(target[part]).addmm_(low_left[part], low_right, alpha=alpha)
+        target[part].add_(term.view(inputs, length, taps).transpose(0, 1), alpha=alpha)
+
+
+class Factored(Additive):
+    """ΔW·x = s·m·(P (A₂x) + B₁(B₂x)) with P = W ×_in A₁ (module docstring), all cast once."""
+
+    def __init__(self, t: Tensors, lay: GLoRALayout, at: FormSite):
+        first, second, low_left, low_right = (cast(f, at.device, torch.float32) for f in _factors(t, lay))
+        self.op, scale = at.op, lay.scale * at.strength
+        self.dtype = work_dtype(at)
+        at = replace(at, dtype=self.dtype)
+        w = at.weight.reshape(at.shape[0], at.shape[1], -1)  # (out, in, ∏k)
+        p = torch.einsum("oik,ir->ork", w, first) * scale  # the scale on the small factor
+        self.pointwise = all(d == 1 for d in at.shape[2:])
+        rank = second.shape[0]
+        if self.pointwise:  # one pair of thin factors: [P | B₁]·[A₂ ; B₂]
+            self.up = at.cast(torch.cat([p.reshape(at.shape[0], rank), low_left * scale], dim=1))
+            self.down = at.cast(torch.cat([second, low_right])).reshape(2 * rank, *at.shape[1:])
+        else:
+            self.p = at.cast(p).reshape(at.shape[0], rank, *at.shape[2:])
+            self.second, self.up = at.cast(second), at.cast(low_left * scale)
+            self.down = at.cast(low_right).reshape(rank, *at.shape[1:])
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(self.dtype)
+        if self.pointwise:
+            out = self.op.pointwise(self.op(h, self.down), self.up)
+        else:
+            out = self.op(self.op.pointwise(h, self.second), self.p) + self.op.pointwise(self.op(h, self.down), self.up)
+        return out.to(x.dtype)
+
+
+def bypass(t: Tensors, lay: GLoRALayout, at: FormSite) -> Factored | None:
+    return Factored(t, lay, at) if at.op.groups == 1 and at.weight is not None else None
+
 
 ALGORITHM = Algorithm(
     name="glora", label="GLoRA", markers=(A1,), keys=(A1, A2, B1, B2),
-    layout=layout, add_into=add_into,
+    layout=layout, add_into=add_into, bypass=bypass,
 )
