@@ -13,14 +13,23 @@ option of the config changes the maths. PEFT's merge scales the weight only, not
 
 Multiplier: linear, W + m·(W' − W) (PEFT defines no strength for BOFT).
 Every factor mixes columns only, so W is merged in place a piece of rows at a time (peft_oft.merge_rows).
+
+Bypass at strength 1: W'x = s ⊙ (W·(Mᵀx)), an input-side form mapping the input channels by
+Mᵀ = M_0ᵀ ⋯ M_{N−1}ᵀ (each factor a gather, a block product, a gather; `oft.ChannelMap`), the scale kept on the
+output with the bias (s ⊙ (y − b) + b); Linear and 1×1 convs without groups only (peft_oft). Other strengths take the
+dense path: (1 − m)·W + m·s ⊙ (W·Mᵀ) needs two products with W (for s all ones it would be one map, but telling that
+reads s back to the host).
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from .base import Algorithm, Layout, Tensors, expect, require
-from .peft_oft import merge_rows
+from ..casting import cast
+from .base import Algorithm, Form, FormSite, Layout, Tensors, expect, require
+from .ia3 import ChannelScale
+from .oft import ChannelMap, Stage
+from .peft_oft import input_maps, merge_rows
 
 BLOCKS, SCALE = "boft_R", "boft_s"
 
@@ -86,7 +95,48 @@ def merge_into(t: Tensors, lay: PeftBOFTLayout, weight: torch.Tensor, m: float, 
     merge_rows(weight, m, rotate)
 
 
+def input_stages(rotation: torch.Tensor, orders: list[torch.Tensor | None]) -> tuple[list[Stage], torch.Tensor | None]:
+    """Mᵀ as mix_channels' stages on a column x: Mᵀx = M_0ᵀ(⋯(M_{N−1}ᵀx)), M_iᵀ = P_i · blockdiag(R_i)ᵀ · P_iᵀ,
+    with P_iᵀx = x[argsort(π)] and P_i x = x[π] (butterfly_inputs' convention, transposed); the gathers between
+    factors composed into one."""
+    runs, pending = [], None  # pending: the gather P_{i+1} not yet applied
+    for factor, order in reversed(list(zip(rotation, orders))):
+        gather = None if order is None else torch.argsort(order)
+        if pending is not None:
+            gather = pending if gather is None else pending[gather]
+        runs.append((gather, factor.transpose(-1, -2)))
+        pending = order
+    return runs, pending
+
+
+class Rotated(Form):
+    """W'x = scale ⊙ (W·(Q x)): an input map and an output channel scale that keeps the bias."""
+
+    input_side = True
+
+    def __init__(self, rotate: ChannelMap, scale: ChannelScale):
+        self.rotate, self.scale = rotate, scale
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rotate.input(x)
+
+    def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.scale.output(y, x)
+
+
+def bypass(t: Tensors, lay: PeftBOFTLayout, at: FormSite) -> Rotated | None:
+    if at.strength != 1 or not input_maps(at):
+        return None
+    rotation = rotations(cast(t[BLOCKS], at.device, torch.float32))
+    length = lay.blocks * lay.block_size
+    orders = [None if lay.factors == 1 else butterfly_order(length, i, lay.block_size, rotation.device)
+              for i in range(lay.factors)]
+    runs, last = input_stages(rotation, orders)
+    scale = cast(t[SCALE], at.device, torch.float32).reshape(-1)
+    return Rotated(ChannelMap(runs, last, 0.0, at, input_side=True), ChannelScale(scale, 0, at))
+
+
 ALGORITHM = Algorithm(
     name="peft-boft", label="BOFT (PEFT)", markers=(BLOCKS,), keys=(BLOCKS, SCALE),
-    layout=layout, merge_into=merge_into, uses_alpha=False,
+    layout=layout, merge_into=merge_into, uses_alpha=False, bypass=bypass,
 )

@@ -21,6 +21,10 @@ The helpers for those entries are shared by the PEFT algorithm files.
 PEFT before 0.16 stored OFT as `oft_r` (block matrices, and from 0.14 an `oft_s` scale), a parametrisation PEFT
 itself no longer loads (its OFTConfig refuses such configs): such a file is refused when it is loaded, with that
 reason (`OLD_ALGORITHM`), rather than listed key by key as unknown.
+
+Bypass: W' = W·Q with Q = (1 − m)·I + m·blockdiag(R)ᵀ, so W'x = W·(Qx): an input-side form mapping the layer's
+input channels block by block (`oft.ChannelMap`), for Linear and 1×1 convs without groups. A conv with k > 1 rotates
+blocks of the flattened (in, kh, kw) columns, which mix kernel taps: no map of the input does that (dense path).
 """
 
 import math
@@ -29,8 +33,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..casting import pieces
-from .base import Algorithm, Layout, ShapeError, Tensors, expect, require, rows_2d, scalar
+from ..casting import cast, pieces
+from .base import Algorithm, FormSite, Layout, ShapeError, Tensors, expect, require, rows_2d, scalar
+from .oft import ChannelMap
 
 OFT_R = "oft_R.weight"
 OPTION_PREFIX = "peft_option."
@@ -155,9 +160,24 @@ def merge_into(t: Tensors, lay: PeftOFTLayout, weight: torch.Tensor, m: float, r
     merge_rows(weight, m, lambda piece, start: rotate_inputs(piece, rotation))
 
 
+def input_maps(at: FormSite) -> bool:
+    """Whether W·Q (Q acting on W's flattened columns) is the layer's op on a map of its input channels."""
+    return at.op.groups == 1 and all(d == 1 for d in at.shape[2:])
+
+
+def bypass(t: Tensors, lay: PeftOFTLayout, at: FormSite) -> ChannelMap | None:
+    if not input_maps(at):
+        return None
+    rotation = rotations(cast(t[lay.key], at.device, torch.float32), lay).expand(lay.blocks, lay.block_size,
+                                                                               lay.block_size)
+    eye = torch.eye(lay.block_size, device=rotation.device)
+    return ChannelMap([(None, torch.lerp(eye.expand_as(rotation), rotation.transpose(-1, -2), at.strength))], None,
+                      0.0, at, input_side=True)
+
+
 ALGORITHM = Algorithm(
     name="peft-oft", label="OFT (PEFT)", markers=(OFT_R,), keys=(OFT_R, *OPTION_KEYS),
-    layout=layout, merge_into=merge_into, uses_alpha=False,
+    layout=layout, merge_into=merge_into, uses_alpha=False, bypass=bypass,
 )
 
 
