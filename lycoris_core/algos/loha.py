@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 
 from ..casting import cast, pieces
+from . import lokr
 from .base import (
     Additive,
     Algorithm,
@@ -108,6 +109,11 @@ class Hadamard(Additive):
         self.mid_op = LayerOp(op.conv_dims, op.stride, op.padding, op.dilation)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.up.dtype:  # 16-bit input on the CPU: computed in fp32 (lokr.work_dtype)
+            return self._delta(x.to(self.up.dtype)).to(x.dtype)
+        return self._delta(x)
+
+    def _delta(self, x: torch.Tensor) -> torch.Tensor:
         if self.mid is not None:
             inner = self.mid_op(self.op.pointwise(x, self.down), self.mid)
         else:
@@ -129,13 +135,15 @@ def bypass(t: Tensors, lay: Layout, at: FormSite) -> Hadamard | None:
         down = _rowwise_kron(f[W1B], f[W2B])
         t1, t2 = f[T1], f[T2]
         core = (t1[:, None, :, None] * t2[None, :, None, :]).reshape(rank, rank, *t1.shape[2:])
-        return Hadamard(at.cast(up), at.cast(down), at.cast(core), at.op)
+        work = lokr.work_dtype(at)
+        return Hadamard(cast(up, at.device, work), cast(down, at.device, work), cast(core, at.device, work), at.op)
     rank = f[W1B].shape[0] * f[W2B].shape[0]
     if rank * (channels * kernel + out) >= channels * kernel * out:
         return None
     up = _rowwise_kron(f[W1A].transpose(0, 1), f[W2A].transpose(0, 1)).transpose(0, 1) * scale
     down = _rowwise_kron(f[W1B], f[W2B]).reshape(rank, *at.shape[1:])
-    return Hadamard(at.cast(up), at.cast(down), None, at.op)
+    work = lokr.work_dtype(at)
+    return Hadamard(cast(up, at.device, work), cast(down, at.device, work), None, at.op)
 
 
 ALGORITHM = Algorithm(
