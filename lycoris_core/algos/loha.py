@@ -34,7 +34,6 @@ from collections.abc import Callable
 import torch
 
 from ..casting import cast, pieces
-from . import lokr
 from .base import (
     Additive,
     Algorithm,
@@ -109,7 +108,7 @@ class Hadamard(Additive):
         self.mid_op = LayerOp(op.conv_dims, op.stride, op.padding, op.dilation)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.up.dtype:  # 16-bit input on the CPU: computed in fp32 (lokr.work_dtype)
+        if x.dtype != self.up.dtype:  # fp16 input on the CPU: computed in fp32 (FormSite.work_dtype)
             return self._delta(x.to(self.up.dtype)).to(x.dtype)
         return self._delta(x)
 
@@ -135,14 +134,14 @@ def bypass(t: Tensors, lay: Layout, at: FormSite) -> Hadamard | None:
         down = _rowwise_kron(f[W1B], f[W2B])
         t1, t2 = f[T1], f[T2]
         core = (t1[:, None, :, None] * t2[None, :, None, :]).reshape(rank, rank, *t1.shape[2:])
-        work = lokr.work_dtype(at)
+        work = at.work_dtype
         return Hadamard(cast(up, at.device, work), cast(down, at.device, work), cast(core, at.device, work), at.op)
     rank = f[W1B].shape[0] * f[W2B].shape[0]
     if rank * (channels * kernel + out) >= channels * kernel * out:
         return None
     up = _rowwise_kron(f[W1A].transpose(0, 1), f[W2A].transpose(0, 1)).transpose(0, 1) * scale
     down = _rowwise_kron(f[W1B], f[W2B]).reshape(rank, *at.shape[1:])
-    work = lokr.work_dtype(at)
+    work = at.work_dtype
     return Hadamard(cast(up, at.device, work), cast(down, at.device, work), None, at.op)
 
 

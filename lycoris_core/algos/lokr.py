@@ -30,8 +30,8 @@ Bypass: with x's input channels read as (c, d) (X[j, q] = x[j·d + q]) and the o
 W₁ may equally go first (mix the c groups of the input, then W₂ on a groups): whichever order costs fewer
 multiplications per token (linear: b·c·(d + a) against a·d·(c + b)). W₁ and W₂ are formed once at prepare (a
 decomposed or Tucker W₂ is 1/(a·c) of the weight), with s·m folded into W₁. A row window keeps its rows of the
-fused output. Grouped convolutions (input channels split by the layer's groups) take the dense path. A 16-bit input
-on the CPU is computed in fp32 (`work_dtype`), as are LoHa's.
+fused output. Grouped convolutions (input channels split by the layer's groups) take the dense path. An fp16 input
+on the CPU is computed in fp32 (`FormSite.work_dtype`), as are LoHa's.
 """
 
 import math
@@ -209,7 +209,7 @@ class Kronecker(Additive):
         self.w2_first = b * c * (d * kernel + a) <= a * d * (c + b * kernel)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.w1.dtype:  # 16-bit input on the CPU: computed in fp32 (`work_dtype`)
+        if x.dtype != self.w1.dtype:  # fp16 input on the CPU: computed in fp32 (FormSite.work_dtype)
             return self._delta(x.to(self.w1.dtype)).to(x.dtype)
         return self._delta(x)
 
@@ -260,14 +260,8 @@ def bypass(t: Tensors, lay: Layout, at: FormSite) -> Kronecker | None:
     rows = (lay.row_offset, at.shape[0]) if isinstance(lay, RowWindowLayout) else None
     if rows is None and a * b != at.shape[0]:
         return None
-    work = work_dtype(at)
+    work = at.work_dtype
     return Kronecker(cast(w1, at.device, work), cast(w2, at.device, work), at, rows)
-
-
-def work_dtype(at: FormSite) -> torch.dtype:
-    """The dtype a form's small matmuls run in: the input's, except 16-bit inputs on the CPU, which torch computes
-    an order of magnitude slower than fp32 there (measured 16x for the Kronecker product of an SDXL layer)."""
-    return torch.float32 if at.device.type == "cpu" and at.dtype in (torch.float16, torch.bfloat16) else at.dtype
 
 
 ALGORITHM = Algorithm(
