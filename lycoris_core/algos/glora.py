@@ -45,7 +45,6 @@ from .base import (
     rows_2d,
     scale_from_alpha,
 )
-from .oft import work_dtype
 
 A1, A2, B1, B2 = "a1.weight", "a2.weight", "b1.weight", "b2.weight"
 
@@ -129,7 +128,7 @@ class Factored(Additive):
     def __init__(self, t: Tensors, lay: GLoRALayout, at: FormSite):
         first, second, low_left, low_right = (cast(f, at.device, torch.float32) for f in _factors(t, lay))
         self.op, scale = at.op, lay.scale * at.strength
-        self.dtype = work_dtype(at)
+        self.dtype = at.work_dtype
         at = replace(at, dtype=self.dtype)
         w = at.weight.reshape(at.shape[0], at.shape[1], -1)  # (out, in, ∏k)
         p = torch.einsum("oik,ir->ork", w, first) * scale  # the scale on the small factor

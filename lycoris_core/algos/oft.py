@@ -136,12 +136,6 @@ def mix_channels(h: torch.Tensor, stages: list[Stage], last: torch.Tensor | None
     return h
 
 
-def work_dtype(at: FormSite) -> torch.dtype:
-    """The dtype a channel map computes in: the input's, except fp16 on the CPU, whose batched and grouped
-    products are ~100× slower than fp32 there (fp32 is also the more exact)."""
-    return torch.float32 if at.dtype == torch.float16 and at.device.type == "cpu" else at.dtype
-
-
 class ChannelMap(Form):
     """W' = (P + keep·I)·W for P given as `stages` (mix_channels), computed in fp32 and cast once:
 
@@ -151,7 +145,7 @@ class ChannelMap(Form):
     def __init__(self, stages: list[Stage], last: torch.Tensor | None, keep: float, at: FormSite,
                  input_side: bool = False):
         self.conv_dims, self.keep, self.input_side = at.op.conv_dims, keep, input_side
-        self.dtype = work_dtype(at)
+        self.dtype = at.work_dtype
         stages = [(None if order is None else order.to(at.device), cast(blocks, at.device, torch.float32))
                   for order, blocks in stages]
         self.last = None if last is None else last.to(at.device)
