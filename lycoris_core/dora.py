@@ -104,7 +104,7 @@ def _norm(v: torch.Tensor, axis: str) -> torch.Tensor:
     return squares.sqrt_().reshape(shape)
 
 
-RowAdder = Callable[[torch.Tensor, int], None]  # add(out, first): out += ΔW[first:first + len(out)] (strength 1)
+RowAdder = Callable[[torch.Tensor, int], None]  # add(out, first): out += dW[first:first + len(out)] (strength 1)
 
 
 def merge_into(add_into: Callable[[Tensors, Layout, torch.Tensor, float, torch.Tensor], None], t: Tensors,
@@ -169,7 +169,7 @@ class OutputGain(Form):
         self.inner = inner
         channels = (-1, *at.op.point)  # shaped to broadcast over the output's channels
         self.alpha, self.beta = at.cast(alpha.reshape(channels)), at.cast(beta.reshape(channels))
-        self.bias_term = None if bias is None else at.cast(((1 - alpha) * bias).reshape(channels))  # (1 − α) ⊙ b
+        self.bias_term = None if bias is None else at.cast(((1 - alpha) * bias).reshape(channels))  # (1 - alpha) * b
 
     def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         out = y * self.alpha if self.bias_term is None else torch.addcmul(self.bias_term, y, self.alpha)

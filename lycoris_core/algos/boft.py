@@ -89,7 +89,7 @@ def stages(rotations: torch.Tensor, block_size: int, out: int, row_scale: torch.
     """The butterfly followed by `row_scale` ⊙ as mix_channels' stages (runs of stages, each a gather and one
     block-diagonal product; the gathers between runs composed) and the final gather, or None for the identity."""
     count = rotations.shape[0]
-    per_run = max(1, (GROUP_ROWS // (block_size // 2)).bit_length() - 1)  # 2^g·b/2 ≤ GROUP_ROWS
+    per_run = max(1, (GROUP_ROWS // (block_size // 2)).bit_length() - 1)  # 2^g * b/2 <= GROUP_ROWS
     runs, inverse = [], None
     for first in range(0, count, per_run):
         order, blocks = _group(rotations[first:first + per_run], first, block_size, out)
@@ -113,7 +113,7 @@ def bypass(t: Tensors, lay: BOFTLayout, at: FormSite) -> ChannelMap | None:
         scale = torch.full((lay.out,), m, device=rotations.device) if scale is None else scale * m
     runs, last = stages(rotations, lay.block_size, lay.out, scale)
     keep = 0.0 if at.reference else 1.0 - m
-    if len(runs) == 1 and runs[0][0] is None and last is None and keep:  # one block map: fold (1 − m)·I into it
+    if len(runs) == 1 and runs[0][0] is None and last is None and keep:  # one block map: fold (1 - m) I into it
         blocks = runs[0][1]
         runs, keep = [(None, blocks + keep * torch.eye(blocks.shape[-1], device=blocks.device))], 0.0
     return ChannelMap(runs, last, keep, at) if within_groups(runs, last, at) else None

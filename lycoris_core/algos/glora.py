@@ -110,7 +110,7 @@ def add_into(t: Tensors, lay: GLoRALayout, weight: torch.Tensor, m: float, out: 
         left = torch.cat([w @ first, low_left], dim=1)  # reads W; out is written only below
         rows_2d(out).addmm_(left, torch.cat([second, low_right]), alpha=alpha)
         return
-    kernel = weight.reshape(weight.shape[0], weight.shape[1], -1)  # (out, in, ∏k)
+    kernel = weight.reshape(weight.shape[0], weight.shape[1], -1)  # (out, in, prod(k))
     target, inputs, taps = out.view(kernel.shape), kernel.shape[1], kernel.shape[2]
     for start, length in pieces(kernel.shape[0], kernel[0].numel() * kernel.element_size()):
         part = slice(start, start + length)
@@ -130,11 +130,11 @@ class Factored(Additive):
         self.op, scale = at.op, lay.scale * at.strength
         self.dtype = at.work_dtype
         at = replace(at, dtype=self.dtype)
-        w = at.weight.reshape(at.shape[0], at.shape[1], -1)  # (out, in, ∏k)
+        w = at.weight.reshape(at.shape[0], at.shape[1], -1)  # (out, in, prod(k))
         p = torch.einsum("oik,ir->ork", w, first) * scale  # the scale on the small factor
         self.pointwise = all(d == 1 for d in at.shape[2:])
         rank = second.shape[0]
-        if self.pointwise:  # one pair of thin factors: [P | B₁]·[A₂ ; B₂]
+        if self.pointwise:  # one pair of thin factors: [P | B1] @ [A2 ; B2]
             self.up = at.cast(torch.cat([p.reshape(at.shape[0], rank), low_left * scale], dim=1))
             self.down = at.cast(torch.cat([second, low_right])).reshape(2 * rank, *at.shape[1:])
         else:

@@ -126,7 +126,7 @@ def bypass(t: Tensors, lay: Layout, at: FormSite) -> Hadamard | None:
     f = {name: cast(v, at.device, torch.float32) for name, v in t.items()}
     out, channels, kernel = at.shape[0], at.shape[1], math.prod(at.shape[2:])
     scale = lay.scale * at.strength
-    if T1 in f:  # a-factors (r, out), b-factors (r, in): rank r₁r₂ Tucker
+    if T1 in f:  # a-factors (r, out), b-factors (r, in): rank r1*r2 Tucker
         rank = f[T1].shape[0] * f[T2].shape[0]
         if rank * (channels + rank * kernel + out) >= channels * kernel * out:
             return None

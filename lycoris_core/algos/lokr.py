@@ -217,19 +217,19 @@ class Kronecker(Additive):
         (a, c), b, d = self.w1.shape, self.w2.shape[0], self.w2.shape[1]
         if not self.op.conv_dims:
             groups = x.reshape(*x.shape[:-1], c, d)
-            if self.w2_first:  # (…, c, d) → (…, c, b) → (…, a, b)
+            if self.w2_first:  # (..., c, d) -> (..., c, b) -> (..., a, b)
                 y = torch.matmul(self.w1, torch.matmul(groups, self.w2.transpose(0, 1)))
-            else:  # (…, c, d) → (…, a, d) → (…, a, b)
+            else:  # (..., c, d) -> (..., a, d) -> (..., a, b)
                 y = torch.matmul(torch.matmul(self.w1, groups), self.w2.transpose(0, 1))
             return self._window(y.reshape(*x.shape[:-1], a * b), -1)
         unbatched = x.ndim == self.op.conv_dims + 1
         if unbatched:
             x = x.unsqueeze(0)
         n, space = x.shape[0], x.shape[2:]
-        if self.w2_first:  # N·c images of d channels → (N, c, b·S') → mixed to (N, a, b·S')
+        if self.w2_first:  # N*c images of d channels -> (N, c, b*S') -> mixed to (N, a, b*S')
             z = self.op(x.reshape(n * c, d, *space), self.w2)
             y = torch.matmul(self.w1, z.reshape(n, c, -1))
-        else:  # (N, c, d·S) mixed to (N, a, d·S) → N·a images of d channels → (N·a, b, S')
+        else:  # (N, c, d*S) mixed to (N, a, d*S) -> N*a images of d channels -> (N*a, b, S')
             mixed = torch.matmul(self.w1, x.reshape(n, c, -1))
             y = self.op(mixed.reshape(n * a, d, *space), self.w2)
         out_space = y.shape[2:] if not self.w2_first else z.shape[2:]
@@ -256,7 +256,7 @@ def bypass(t: Tensors, lay: Layout, at: FormSite) -> Kronecker | None:
     b, d = w2.shape[0], in_shape[0] // c
     if w2.numel() != b * d * math.prod(in_shape[1:]):
         return None
-    w2 = w2.reshape(b, d, *in_shape[1:])  # the kernel (if any) stays W₂'s, as in W's rows
+    w2 = w2.reshape(b, d, *in_shape[1:])  # the kernel (if any) stays W2's, as in W's rows
     rows = (lay.row_offset, at.shape[0]) if isinstance(lay, RowWindowLayout) else None
     if rows is None and a * b != at.shape[0]:
         return None
