@@ -165,12 +165,12 @@ def forward(x: torch.Tensor, layer_forward: Callable[[torch.Tensor], torch.Tenso
     forward; `weight()` gives W as fp32 on x's device, read before `layer_forward` runs and only when a dense
     contribution needs it."""
     contributions, forms = prepared.contributions, prepared.forms
-    inputs = [x] * len(forms)  # what each adapter is given
-    for k in range(len(forms) - 1, 0, -1):
-        form = forms[k]
-        inputs[k - 1] = form.input(inputs[k]) if form is not None and form.input_side else inputs[k]
-    first = forms[0] if forms else None
-    x0 = first.input(inputs[0]) if first is not None and first.input_side else inputs[0]
+    inputs, x0 = [], x  # inputs[k]: what adapter k is given; x0: what the layer's own forward gets
+    for form in reversed(forms):
+        inputs.append(x0)
+        if form is not None and form.input_side:
+            x0 = form.input(x0)
+    inputs.reverse()
     current = weight() if prepared.needs_weight else None  # W plus the changes so far, for the dense readers
     last_dense_reader = max((i for i, (c, f) in enumerate(zip(contributions, forms)) if f is None and c.reads_weight),
                             default=-1)

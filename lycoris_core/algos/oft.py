@@ -172,7 +172,9 @@ class ChannelMap(Form):
 def row_blocks(rotation: torch.Tensor, t: Tensors, m: float, reference: bool) -> torch.Tensor:
     """The blocks P_k of W'(m) = blockdiag(P)·W (module docstring), in rotation's dtype."""
     eye = torch.eye(rotation.shape[-1], device=rotation.device, dtype=rotation.dtype)
-    rescale = t[RESCALE].to(rotation.device, rotation.dtype).reshape(rotation.shape[0], -1, 1) if RESCALE in t else None
+    rescale = None
+    if RESCALE in t:
+        rescale = cast(t[RESCALE], rotation.device, rotation.dtype).reshape(rotation.shape[0], -1, 1)
     if reference:
         blocks = interpolate(rotation, m).transpose(-1, -2)
         return blocks if rescale is None else blocks * rescale
