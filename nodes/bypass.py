@@ -340,6 +340,7 @@ def injection(key: str, entries: list[tuple[str, Contribution]], root: torch.nn.
     bypass = PatcherInjection(inject, eject)
     bypass.lycoris_layers = frozenset(weight_key for weight_key, _ in entries)
     bypass.lycoris_readers = frozenset(weight_key for weight_key, c in entries if c.reads_weight)
+    bypass.lycoris_entries = tuple(entries)  # (weight key, contribution) in order: what LycorisSave writes
     return bypass
 
 

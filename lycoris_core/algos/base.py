@@ -11,6 +11,9 @@ small functions:
   wanted; ΔW of GLoRA and (IA)³ reads W, so every read of W happens before `out` is written. DoRA wraps this.
 * ``merge_into(t, layout, W, m, reference)``: for algorithms that are not additive (OFT, BOFT), W ← W'(m) in place;
   `reference` picks LyCORIS' own multiplier semantics instead of the linear W + m·(W'(1) − W).
+* ``factored(t, layout, W) -> (A, B)``: the full-strength change as ΔW₂ = A @ B exactly (scale included), A (out, R),
+  B (R, in·∏k), without forming ΔW; for the tools (lycoris_core/tools: exact LoRA chains, SVD of a change). `W` (fp32,
+  the weight before this module) is passed only to algorithms whose change reads it (GLoRA); others get None.
 * ``bypass(t, layout, at) -> Form | None``: the change in a layer's forward without forming W' (bypass mode), see
   `Form`; None where this module has no such form (the caller then adds F(x; W'(m) − W) with the change formed).
 
@@ -81,6 +84,7 @@ class Algorithm:
     optional: bool = False  # a layer without this parameter needs no change (PEFT's (IA)³ bias of a bias-less layer)
     layout_only: tuple[str, ...] = ()  # keys read for the layout only (beyond LAYOUT_ONLY_KEYS): not passed to patches
     bypass: "Callable[[Tensors, Layout, FormSite], Form | None] | None" = None
+    factored: "Callable[[Tensors, Layout, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]] | None" = None
 
     def matches(self, t: Tensors) -> bool:
         found = [t[m] for m in self.markers if m in t]

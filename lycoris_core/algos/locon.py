@@ -63,6 +63,12 @@ def factors(t: Tensors, lay: Layout) -> tuple[torch.Tensor, torch.Tensor]:
     return up, down
 
 
+def factored(t: Tensors, lay: Layout, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ΔW₂ = (s·A) @ B at full strength (Tucker folded into B)."""
+    up, down = factors(t, lay)
+    return up * lay.scale, down
+
+
 def add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: torch.Tensor) -> None:
     up, down = factors(t, lay)
     rows_2d(out).addmm_(up, down, alpha=lay.scale * m)
@@ -99,5 +105,5 @@ def bypass(t: Tensors, lay: Layout, at: FormSite) -> Factored | None:
 
 ALGORITHM = Algorithm(
     name="locon", label="LoCon", markers=(UP,), keys=(UP, DOWN, MID),
-    layout=layout, add_into=add_into, supports_dora=True, bypass=bypass,
+    layout=layout, add_into=add_into, supports_dora=True, bypass=bypass, factored=factored,
 )

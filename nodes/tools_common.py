@@ -1,0 +1,118 @@
+"""What the four tool nodes (Save, Resize, Extract, Convert) share: where they may write, their common inputs, the
+progress bar, the device the maths runs on, and the report they return."""
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import comfy.model_management
+import comfy.utils
+import folder_paths
+import torch
+from comfy_api.latest import io
+
+from ..lycoris_core import LycorisError
+from ..lycoris_core.tools import writer
+from ..lycoris_core.tools.metadata import ModuleRecord
+
+CATEGORY = "loaders/lycoris/tools"
+MAX_LISTED = 20
+
+
+def loras_folders() -> list[Path]:
+    return [Path(p).resolve() for p in folder_paths.get_folder_paths("loras")]
+
+
+def output_path(name: str) -> Path:
+    """`name` (relative, e.g. "merged/my_stack" or "x.safetensors") inside the first loras folder; LycorisError for an
+    empty name, an absolute one, or one that leaves the loras folders (`..`, a symlinked folder pointing out)."""
+    name = name.strip().replace("\\", "/")
+    if not name or name.endswith("/"):
+        raise LycorisError("give the output a file name")
+    if os.path.isabs(name) or Path(name).drive or Path(name).is_absolute():
+        raise LycorisError("the output name must be relative to the loras folder", file=name)
+    if not name.endswith(".safetensors"):
+        name += ".safetensors"
+    folder = loras_folders()[0]
+    path = (folder / name).resolve()
+    if not any(path.is_relative_to(root) for root in loras_folders()):
+        raise LycorisError("the output must stay inside the loras folder", file=name)
+    return path
+
+
+def relative_name(path: Path) -> str:
+    """The name the loader nodes list for a file written in a loras folder."""
+    for root in loras_folders():
+        if path.resolve().is_relative_to(root):
+            return path.resolve().relative_to(root).as_posix()
+    return path.name
+
+
+def write_file(name: str, tensors: dict[str, torch.Tensor], metadata: dict, overwrite: bool) -> str:
+    """Write the output into the loras folder, whole or not at all (writer.write); returns its name as listed there.
+    The loaders' list of files is refreshed, so the new file is offered without a restart."""
+    path = writer.write(output_path(name), tensors, metadata, overwrite)
+    folder_paths.filename_list_cache.pop("loras", None)
+    return relative_name(path)
+
+
+def device() -> torch.device:
+    """Where the tools' maths runs: the device ComfyUI runs models on."""
+    return comfy.model_management.get_torch_device()
+
+
+class Progress:
+    """ComfyUI's progress bar for a node (shown on the node and in the queue), one step per module."""
+
+    def __init__(self, total: int):
+        self.bar = comfy.utils.ProgressBar(max(total, 1))
+
+    def step(self) -> None:
+        self.bar.update(1)
+
+
+def output_name_input(default: str) -> io.String.Input:
+    return io.String.Input("output_name", default=default,
+                           tooltip="File name in the loras folder (subfolders allowed, '.safetensors' added).")
+
+
+def overwrite_input() -> io.Boolean.Input:
+    return io.Boolean.Input("overwrite", default=False, optional=True,
+                            tooltip="Replace a file of the same name. Off: an existing file is never touched.")
+
+
+def report_outputs() -> list:
+    return [io.String.Output(display_name="file", tooltip="The written file's name in the loras folder."),
+            io.String.Output(display_name="report", tooltip="What was written, the rank and error per module.")]
+
+
+@dataclass
+class ToolReport:
+    """What a tool did: the file written, a line per module and what could not be carried over (never silently)."""
+
+    tool: str
+    file: str = ""
+    modules: dict[str, ModuleRecord] = field(default_factory=dict)
+    not_written: list[tuple[str, str]] = field(default_factory=list)  # (key, reason)
+    notes: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        errors = [r.error for r in self.modules.values()]
+        worst = f", largest relative error {max(errors):.2e}" if errors else ""
+        skipped = f"; {len(self.not_written)} not written" if self.not_written else ""
+        return f"{self.tool}: {self.file or '(nothing written)'}: {len(self.modules)} modules{worst}{skipped}"
+
+    def text(self) -> str:
+        rows = [self.line(), *self.notes]
+        listed = sorted(self.modules.items(), key=lambda kv: -kv[1].error)[:MAX_LISTED]
+        rows += [f"  {key}: {r.form}, rank {r.rank if r.rank is not None else 'full'}, error {r.error:.2e}"
+                 for key, r in listed]
+        if len(self.modules) > MAX_LISTED:
+            rows.append(f"  ... and {len(self.modules) - MAX_LISTED} more modules (all in the file's metadata)")
+        rows += [f"  not written: {key}: {reason}" for key, reason in self.not_written[:MAX_LISTED]]
+        if len(self.not_written) > MAX_LISTED:
+            rows.append(f"  ... and {len(self.not_written) - MAX_LISTED} more not written")
+        return "\n".join(rows)
+
+    def node_output(self) -> io.NodeOutput:
+        return io.NodeOutput(self.file, self.text(), ui={"text": [self.text()]})
