@@ -2,6 +2,7 @@
 progress bar, the device the maths runs on, and the report they return."""
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def output_path(name: str) -> Path:
     name = name.strip().replace("\\", "/")
     if not name or name.endswith("/"):
         raise LycorisError("give the output a file name")
-    if os.path.isabs(name) or Path(name).drive or Path(name).is_absolute():
+    if os.path.isabs(name) or Path(name).is_absolute() or re.match(r"[A-Za-z]:", name):  # C:/… is absolute on Windows
         raise LycorisError("the output name must be relative to the loras folder", file=name)
     if not name.endswith(".safetensors"):
         name += ".safetensors"

@@ -36,8 +36,7 @@ def write(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata
     handle, temporary = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".partial", dir=path.parent)
     os.close(handle)
     try:
-        save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, temporary,
-                  metadata=metadata_text(metadata))
+        save_file(_own_storage(tensors), temporary, metadata=metadata_text(metadata))
         with open(temporary, "rb") as written:
             os.fsync(written.fileno())
         if overwrite:
@@ -48,6 +47,21 @@ def write(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata
         if os.path.exists(temporary):
             os.unlink(temporary)
     return path
+
+
+def _own_storage(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, none sharing storage with another (safetensors refuses shared memory, and a tool may
+    well write one tensor under two names, e.g. the same alpha)."""
+    seen: set[int] = set()
+    owned = {}
+    for key, tensor in tensors.items():
+        tensor = tensor.detach().to("cpu").contiguous()
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in seen and tensor.numel():
+            tensor = tensor.clone()
+        seen.add(tensor.untyped_storage().data_ptr())
+        owned[key] = tensor
+    return owned
 
 
 def _link_new(temporary: str, path: Path) -> None:
