@@ -12,11 +12,10 @@ import json
 import pytest
 import torch
 from lycoris.utils import extract_linear
-from safetensors import safe_open
-
 from lycoris_nodes.lycoris_core import LycorisError
 from lycoris_nodes.lycoris_core.tools import lowrank, writer
 from lycoris_nodes.lycoris_core.tools.lowrank import Factors, RankRule, choose_rank, spectrum
+from safetensors import safe_open
 
 
 def decaying(out: int, inner: int, seed: int = 0, decay: float = 0.8) -> torch.Tensor:
@@ -186,7 +185,6 @@ def test_outputs_outside_the_loras_folder_are_refused(two_loras_folders, name):
 
 def test_outputs_go_in_the_loras_folder_and_are_listed(two_loras_folders):
     import folder_paths
-
     from lycoris_nodes.nodes.tools_common import write_file
 
     assert folder_paths.get_filename_list("loras") == []
