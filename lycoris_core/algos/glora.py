@@ -122,6 +122,23 @@ def add_into(t: Tensors, lay: GLoRALayout, weight: torch.Tensor, m: float, out: 
         target[part].add_(term.view(inputs, length, taps).transpose(0, 1), alpha=alpha)
 
 
+def factored(t: Tensors, lay: GLoRALayout, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ΔW₂ = s·(W ×_in A₁A₂ + B₁B₂) as one product. With P = W ×_in A₁ (out, r, ∏k) and K = ∏k:
+
+        (W ×_in A₁A₂)₂[o, (j, k)] = Σᵣ P[o, r, k]·A₂[r, j] = (P₂ @ kron(A₂, I_K))[o, (j, k)],  P₂ = P (out, r·K)
+
+    so ΔW₂ = [s·P₂ | s·B₁] @ [kron(A₂, I_K) ; B₂], rank r·(K + 1) (2r for Linear and 1×1 convs). Reads W (the
+    weight before this module, fp32)."""
+    if weight is None:
+        raise ShapeError("GLoRA's change reads the base weight, which was not given", A1)
+    first, second, low_left, low_right = _factors(t, lay)
+    w = weight.reshape(weight.shape[0], weight.shape[1], -1)  # (out, in, K)
+    taps = w.shape[2]
+    p = torch.einsum("oik,ir->ork", w, first).reshape(w.shape[0], -1)
+    spread = torch.kron(second, torch.eye(taps, dtype=second.dtype, device=second.device))
+    return torch.cat([p, low_left], dim=1) * lay.scale, torch.cat([spread, low_right])
+
+
 class Factored(Additive):
     """ΔW·x = s·m·(P (A₂x) + B₁(B₂x)) with P = W ×_in A₁ (module docstring), all cast once."""
 
@@ -157,5 +174,5 @@ def bypass(t: Tensors, lay: GLoRALayout, at: FormSite) -> Factored | None:
 
 ALGORITHM = Algorithm(
     name="glora", label="GLoRA", markers=(A1,), keys=(A1, A2, B1, B2),
-    layout=layout, add_into=add_into, bypass=bypass,
+    layout=layout, add_into=add_into, bypass=bypass, factored=factored,
 )

@@ -120,6 +120,17 @@ class Hadamard(Additive):
         return self.op.pointwise(inner, self.up)
 
 
+def factored(t: Tensors, lay: Layout, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ΔW₂ = U @ V exactly, rank r₁r₂ (the Hadamard product of two products, module docstring), s in U:
+
+        U[o, (i, j)] = s·A₁[o, i]·A₂[o, j],     V[(i, j), n] = B₁[i, n]·B₂[j, n]
+
+    with Tucker products folded to (Aₖ, Bₖ) first (`tucker_factors`: the kernel in Bₖ)."""
+    (a1, b1), (a2, b2) = _factors(t, W1A, W1B, T1), _factors(t, W2A, W2B, T2)
+    up = _rowwise_kron(a1.transpose(0, 1), a2.transpose(0, 1)).transpose(0, 1)
+    return up * lay.scale, _rowwise_kron(b1, b2)
+
+
 def bypass(t: Tensors, lay: Layout, at: FormSite) -> Hadamard | None:
     if at.op.groups != 1:
         return None
@@ -147,5 +158,5 @@ def bypass(t: Tensors, lay: Layout, at: FormSite) -> Hadamard | None:
 
 ALGORITHM = Algorithm(
     name="loha", label="LoHa", markers=(W1A,), keys=(W1A, W1B, W2A, W2B, T1, T2),
-    layout=layout, add_into=add_into, supports_dora=True, bypass=bypass,
+    layout=layout, add_into=add_into, supports_dora=True, bypass=bypass, factored=factored,
 )

@@ -199,6 +199,34 @@ def row_adder(t: Tensors, lay: Layout, m: float) -> Callable[[torch.Tensor, int]
     return add
 
 
+def _thin(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A full matrix as (P, Q) with P @ Q = w and the smaller inner size: (w, I) or (I, w)."""
+    rows, cols = w.shape
+    if cols <= rows:
+        return w, torch.eye(cols, dtype=w.dtype, device=w.device)
+    return torch.eye(rows, dtype=w.dtype, device=w.device), w
+
+
+def factored(t: Tensors, lay: Layout, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ΔW₂ = s·kron(W₁, W₂) = (s·kron(P₁, P₂)) @ kron(Q₁, Q₂) exactly (the mixed-product rule), Wₖ = Pₖ @ Qₖ:
+
+        W₁ = w1_a @ w1_b, or w1 as (w1, I) / (I, w1), whichever inner size is smaller
+        W₂ = w2_a @ w2_b, Tucker folded (`tucker_factors`), or w2 (flat, b × d·∏k) likewise
+
+    kron over (out, in·∏k) is ΔW.reshape(out, −1): row i·b + j, column l·(d·∏k) + q holds W₁[i, l]·W₂[j, q], the
+    kernel being W₂'s (module docstring). Rank R₁R₂ ≤ min(out, in·∏k). A row window (`row_offset`) is not known
+    without the target's rows: `changes.is_factored` sends those to the dense path."""
+    p1, q1 = (t[W1A], t[W1B]) if W1 not in t else _thin(t[W1])
+    p2, q2 = _w2_factors(t) if W2 not in t else _thin(t[W2].reshape(t[W2].shape[0], -1))
+    return _kron(p1, p2) * lay.scale, _kron(q1, q2)
+
+
+def _kron(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """kron(x, y) of two matrices by broadcasting (torch.kron views its inputs, which fails on some strided ones,
+    e.g. the transposed factors of a Tucker product)."""
+    return (x[:, None, :, None] * y[None, :, None, :]).reshape(x.shape[0] * y.shape[0], x.shape[1] * y.shape[1])
+
+
 class Kronecker(Additive):
     """ΔW·x = W₁ · X · W₂ᵀ (conv: W₂ applied as a batched conv over the c input-channel groups), s·m in W₁."""
 
@@ -266,5 +294,5 @@ def bypass(t: Tensors, lay: Layout, at: FormSite) -> Kronecker | None:
 
 ALGORITHM = Algorithm(
     name="lokr", label="LoKr", markers=(W1, W1A), keys=(W1, W1A, W1B, W2, W2A, W2B, T2, ROW_OFFSET),
-    layout=layout, add_into=add_into, supports_dora=True, bypass=bypass,
+    layout=layout, add_into=add_into, supports_dora=True, bypass=bypass, factored=factored,
 )

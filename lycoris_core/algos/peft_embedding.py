@@ -44,9 +44,14 @@ def lora_add_into(t: Tensors, lay: Layout, weight: torch.Tensor, m: float, out: 
     rows_2d(out).addmm_(t[LORA_A].transpose(0, 1), t[LORA_B].transpose(0, 1), alpha=lay.scale * m)
 
 
+def lora_factored(t: Tensors, lay: Layout, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ΔW = (s·Aᵀ) @ Bᵀ exactly."""
+    return t[LORA_A].transpose(0, 1) * lay.scale, t[LORA_B].transpose(0, 1)
+
+
 LORA = Algorithm(
     name="peft-lora-embedding", label="LoRA (PEFT, embedding)", markers=(LORA_A, LORA_B),
-    keys=(LORA_A, LORA_B), layout=lora_layout, add_into=lora_add_into,
+    keys=(LORA_A, LORA_B), layout=lora_layout, add_into=lora_add_into, factored=lora_factored,
     supports_dora=True,  # only to see the magnitude and refuse it (lora_layout)
 )
 
