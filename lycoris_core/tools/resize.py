@@ -24,9 +24,11 @@ import torch
 from ..algos import BY_NAME
 from ..algos.lokr import RowWindowLayout
 from ..bypass import reads_weight
+from ..casting import cast_all
 from ..errors import LycorisError
 from ..lycoris_file import LycorisFile
 from ..module import Module, Plan
+from ..patch import change
 from . import tucker
 from .changes import dense_change, factored_change, is_factored
 from .lowrank import RULES, Factors, RankRule, choose_rank, lora_tensors, spectrum, stored_error
@@ -168,8 +170,11 @@ def module_change(module: Module, plan: Plan, base: Base, device: torch.device) 
     """ΔW at full strength: factored when the algorithm knows it so, else dense in the target's shape."""
     if is_factored(plan) and not isinstance(plan.layout, RowWindowLayout):
         return factored_change(plan, module.tensors, 1.0, base.weight, device)
-    weight = base.weight if base.weight is not None else torch.empty(base.shape, device="meta")
-    return dense_change(plan, module.tensors, 1.0, weight, device)
+    if base.weight is not None:
+        return dense_change(plan, module.tensors, 1.0, base.weight, device)
+    # a change that does not read W: a meta weight lends its shape (patch.change), none of W's size is read
+    tensors = cast_all(module.tensors, device, torch.float32, keep=BY_NAME[plan.algorithm].dense)
+    return change(plan, tensors, torch.empty(base.shape, device="meta"), 1.0)
 
 
 def resize_module(module: Module, plan: Plan, base: Base, settings: Settings, device: torch.device) -> Resized:
