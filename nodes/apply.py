@@ -336,11 +336,40 @@ def apply_file(lfile: LycorisFile, model, clip, strength_model: float, strength_
     key = f"lycoris:{injection_key or uuid.uuid4().hex}"
     new_model = _patched(model, patches.get("model"), strength_model, reference, report, weights, apply_mode, key)
     new_clip = _patched(clip, patches.get("clip"), strength_clip, reference, report, weights, apply_mode, key)
+    source = {"file": lfile.name, "strength_model": strength_model, "strength_clip": strength_clip,
+              "strength_mode": "lycoris" if reference else "linear", "apply_mode": apply_mode,
+              "block_weights": block_weights_text(weights), "id": key}
+    for before, after in ((model, new_model), (clip, new_clip)):
+        if after is not before:
+            record_source(after, source)
     if report.merged_rounded:
         report.warnings.append(rounded_merge_warning(report.merged_rounded, apply_mode))
     for warning in report.warnings:
         log.warning("LyCORIS %s", warning)
     return new_model, new_clip, report
+
+
+# The files applied to a patched MODEL/CLIP, in order, as LyCORIS Save writes them into its metadata. Kept in the clone's
+# model_options (a tuple replaced, never mutated: clones share the dict's values until they change them).
+SOURCES = "lycoris_sources"
+
+
+def block_weights_text(weights: BlockWeights) -> str:
+    """Block weights as the text the Block Weights node takes (block_weights.parse reads it back)."""
+    rules = [f"{'.'.join(rule.pattern)}={rule.weight:.12g}" for rule in weights.rules]
+    return "; ".join(([f"default={weights.default:.12g}"] if weights.default != 1.0 else []) + rules)
+
+
+def record_source(target, source: dict) -> None:
+    """Append `source` to the applied files a patched clone (MODEL, or CLIP through its patcher) carries."""
+    patcher = getattr(target, "patcher", target)
+    options = patcher.model_options
+    options[SOURCES] = (*options.get(SOURCES, ()), source)
+
+
+def sources_of(target) -> tuple[dict, ...]:
+    patcher = getattr(target, "patcher", target)
+    return tuple(patcher.model_options.get(SOURCES, ()))
 
 
 def rounded_merge_warning(merged_rounded: Counter, apply_mode: str) -> str:
