@@ -20,6 +20,26 @@ CATEGORY = "loaders/lycoris/tools"
 MAX_LISTED = 20
 
 
+# The dtypes a tool may write its tensors in; the error each tool reports is measured after this rounding.
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def dtype_input(default: str = "fp16") -> io.Combo.Input:
+    return io.Combo.Input("save_dtype", options=list(DTYPES), default=default, optional=True,
+                          tooltip="The dtype the file's tensors are written in. The reported error includes its "
+                                  "rounding; fp32 keeps exact modes exact.")
+
+
+def input_path(folder: str, name: str) -> str:
+    """A file by its name in one of ComfyUI's folders (e.g. "loras", "checkpoints"), or by path (command line)."""
+    found = folder_paths.get_full_path(folder, name)
+    if found is not None:
+        return found
+    if Path(name).is_file():
+        return str(Path(name).resolve())
+    raise LycorisError(f"no such file in the {folder} folder, nor as a path", file=name)
+
+
 def loras_folders() -> list[Path]:
     return [Path(p).resolve() for p in folder_paths.get_folder_paths("loras")]
 

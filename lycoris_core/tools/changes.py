@@ -4,7 +4,7 @@ what loading the file does."""
 
 import torch
 
-from ..algos import BY_NAME
+from ..algos import BY_NAME, lokr
 from ..bypass import reads_weight
 from ..casting import cast_all
 from ..module import Plan
@@ -14,8 +14,10 @@ from .lowrank import Factors
 
 def is_factored(plan: Plan) -> bool:
     """A change that is m·A@B: an additive algorithm that declares its factors, without DoRA (whose change is not
-    linear in the factors)."""
-    return BY_NAME[plan.algorithm].factored is not None and plan.dora_axis is None
+    linear in the factors). A LoKr on a window of a fused weight's rows (row_offset) is not: its factors span the
+    whole fused height, which only the target knows."""
+    return (BY_NAME[plan.algorithm].factored is not None and plan.dora_axis is None
+            and not isinstance(plan.layout, lokr.RowWindowLayout))
 
 
 def factored_change(plan: Plan, tensors: dict[str, torch.Tensor], strength: float, weight: torch.Tensor | None,

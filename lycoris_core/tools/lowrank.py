@@ -9,7 +9,8 @@ The error is exact whichever SVD found the σᵢ: for orthonormal U_r, the resid
 
 Three ways to the spectrum, cheapest first:
 * `Factors` (a change known as A @ B of inner size R, e.g. LoRA chains, LoHa's rank r₁·r₂ product): QR of A and Bᵀ and
-  the SVD of the R × R core. Exact, never forms ΔW.
+  the SVD of the R × R core. Exact, never forms ΔW. (An inner size R ≥ min(out, in) is formed and takes the dense
+  path: no cheaper otherwise.)
 * A dense change, full SVD (`torch.linalg.svd`), for every rule that reads the whole spectrum.
 * A dense change with a fixed rank r ≤ min(out, in)/4 on a large layer: randomized SVD (`torch.svd_lowrank`,
   Halko-Martinsson-Tropp 2011) with p = 8 oversampling and q = 2 power iterations. Its bound (HMT Cor. 10.10, spectral
@@ -78,7 +79,9 @@ def spectrum(change: "torch.Tensor | Factors", fixed_rank: int | None = None) ->
     `fixed_rank`: the only rank that will be read, which allows the randomized SVD on large layers (see the module
     docstring); without it every σ is computed."""
     if isinstance(change, Factors):
-        return _factored(change.up.float(), change.down.float())
+        if change.up.shape[1] < min(change.shape):  # else the QR path is exact but no cheaper than the dense SVD
+            return _factored(change.up.float(), change.down.float())
+        change = change.up.float() @ change.down.float()
     dense = _as_2d(change).float()
     energy = float(dense.double().square().sum())
     side = min(dense.shape)
