@@ -25,9 +25,9 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def dtype_input(default: str = "fp16") -> io.Combo.Input:
-    return io.Combo.Input("save_dtype", options=list(DTYPES), default=default, optional=True,
-                          tooltip="The dtype the file's tensors are written in. The reported error includes its "
-                                  "rounding; fp32 keeps exact modes exact.")
+    return io.Combo.Input("dtype", options=list(DTYPES), default=default,
+                          tooltip="The dtype the file's tensors are written in. The reported error is measured "
+                                  "after this rounding; fp32 keeps exact modes exact.")
 
 
 def input_path(folder: str, name: str) -> str:
