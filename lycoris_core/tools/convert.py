@@ -1,0 +1,262 @@
+"""Converting a module between the kohya/LyCORIS and the diffusers/PEFT forms, exactly, or saying why not.
+
+The two forms of LoRA hold the same change:
+
+    kohya/LyCORIS:  ΔW₂ = (alpha / r) · up₂ @ down₂          (`lora_up.weight`, `lora_down.weight`, `alpha`)
+    PEFT/diffusers: ΔW₂ = s · lora_B₂ @ lora_A₂,  s = lora_alpha / r  (rsLoRA: lora_alpha / √r)
+
+where r, lora_alpha (and use_rslora) live in the adapter's config: diffusers keeps it as JSON in the safetensors
+metadata `lora_adapter_metadata`, one config per component (`unet.r`, `text_encoder.lora_alpha`, ...), with
+`rank_pattern` / `alpha_pattern` giving the modules whose values differ from `r` / `lora_alpha`. A module converts
+by renaming its factors and carrying its scale s as alpha = s·r (so PEFT's rsLoRA scale becomes a kohya alpha, and
+a kohya alpha becomes a `lora_alpha` of the same value). The factors are copied as they are (cast only if asked).
+
+Tucker (`lora_mid`, LyCORIS' conv LoCon) has no PEFT form, but its change is an exact LoCon of the same rank:
+ΔW = s · Σᵢⱼ mid[i, j, k…] up[o, i] down[j, n], so down'[i, n, k…] = Σⱼ mid[i, j, k…] down[j, n] is PEFT's lora_A.
+Other additive algorithms that know their change as A @ B exactly (LoHa, LoKr, GLoRA: `Algorithm.factored`) are
+written to diffusers as a LoRA of that inner rank (scale folded into A, alpha = rank): exact, possibly larger.
+
+DoRA: LyCORIS' out-axis `dora_scale` (out, 1…) and PEFT's `lora_magnitude_vector` ((out,), or (1, out, 1…) for a
+conv) both give W' = m ⊙ V / ‖V‖ per output row, V = W + ΔW (LyCORIS adds ε = finfo(fp32).eps to the norm: 1e-7
+relative). The in-axis `dora_scale` (1, in, 1…) normalises columns: PEFT has nothing like it, it is reported.
+OFT, BOFT, (IA)³ and full diffs (LyCORIS' or PEFT's) have no form with the same maths on the other side: reported.
+"""
+
+import json
+import re
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..algos.base import tucker_factors
+from ..dora import OUT
+from ..keys import ALPHA, DORA_SCALE, PEFT_MAGNITUDE
+from ..module import Module, Plan
+from ..peft_config import METADATA_KEY
+from .changes import factored_change, is_factored
+from .lowrank import Factors
+
+KOHYA, DIFFUSERS = "kohya", "diffusers"
+TARGETS = (KOHYA, DIFFUSERS)
+UP, DOWN, MID = "lora_up.weight", "lora_down.weight", "lora_mid.weight"
+LORA_A, LORA_B = "lora_A.weight", "lora_B.weight"
+# The pipeline components diffusers' save_lora_weights prefixes its names with.
+COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+PEFT_WRAPPER = "base_model.model."
+
+# Why a module of this algorithm has no exact form on the other side.
+NO_PEFT_FORM = {
+    "ia3": "LyCORIS' (IA)³ scales W's columns by 1 + w; PEFT's IA3 multiplies by its vector itself (no identity)",
+    "diff": "a full weight difference has no PEFT adapter form (PEFT's modules_to_save replaces a weight, it does "
+            "not add to it)",
+    "w-norm": "a norm-layer difference has no PEFT adapter form",
+    "kohya-oft": "kohya's OFT has no PEFT form with the same maths (PEFT's OFT uses its own Cayley-Neumann rotation)",
+    "diag-oft": "LyCORIS' diag-OFT has no PEFT form with the same maths (PEFT's OFT rotates by its own "
+                "Cayley-Neumann series and block layout)",
+    "oft-diag-v2": "LyCORIS 2.0's OFT has no PEFT form with the same maths",
+    "boft": "LyCORIS' BOFT has no PEFT form with the same maths (PEFT's BOFT differs in its butterfly permutations)",
+    "diff-b": "a full bias difference has no PEFT adapter form",
+    "b-norm": "a norm-layer bias difference has no PEFT adapter form",
+}
+NO_KOHYA_FORM = {
+    "peft-oft": "PEFT's OFT has no LyCORIS/kohya form with the same maths (LyCORIS' diag-OFT uses the exact Cayley "
+                "transform, PEFT a Neumann series and its own options)",
+    "peft-oft-old": "PEFT's old OFT has no LyCORIS/kohya form with the same maths",
+    "peft-boft": "PEFT's BOFT has no LyCORIS/kohya form with the same maths",
+    "peft-ia3": "PEFT's IA3 multiplies by its vector; LyCORIS' (IA)³ by 1 + w and only on one side: no same maths",
+    "peft-ia3-bias": "PEFT's IA3 bias part has no LyCORIS/kohya form",
+    "peft-oft-embedding": "PEFT's OFT on an embedding has no LyCORIS/kohya form",
+    "peft-lora-bias": "PEFT's LoRA bias (lora_B.bias) has no kohya/LyCORIS LoRA key",
+}
+IN_AXIS_DORA = ("DoRA on the input axis (LyCORIS' original dora_scale (1, in, 1...)): PEFT's magnitude is per "
+                "output row, a different weight decomposition")
+NOT_FACTORED = "no exact low-rank form of this algorithm with DoRA: PEFT's DoRA sits on a LoRA only"
+
+
+@dataclass(frozen=True)
+class Converted:
+    """One module in the target's form: tensors by suffix (the caller prefixes the module's name), its rank and
+    alpha (the scale s = alpha / r), and what was done to it."""
+
+    tensors: dict[str, torch.Tensor]
+    rank: int | None
+    alpha: float | None
+    form: str
+
+
+# --- names -----------------------------------------------------------------------------------------------------------
+
+def component_path(name: str) -> tuple[str, str] | None:
+    """(component, module path in that component) of a diffusers name, e.g. ("unet", "down_blocks.0…to_q")."""
+    for component in sorted(COMPONENTS, key=len, reverse=True):
+        if name.startswith(component + "."):
+            return component, name[len(component) + 1:]
+    return None
+
+
+def _diffusers_rank(name: str) -> tuple[int, int]:
+    # CLIP's `text_model.` form first: what transformers 4 wrote, and diffusers reads it with transformers 5 too
+    # (lora_base._load_lora_into_text_encoder strips it when the model has no `text_model`).
+    return (0 if ".text_model." in name else 1), len(name)
+
+
+def diffusers_names(key_map: Mapping) -> dict[str, str]:
+    """ComfyUI weight key -> the name diffusers' save_lora_weights writes for it (`unet.…`, `transformer.…`,
+    `text_encoder[_N].…`): among the names the model's key map gives the whole weight, a component's plain module
+    path (no PEFT wrapper, not ComfyUI's old `.processor.` attention names)."""
+    names: dict[str, str] = {}
+    for name, target in key_map.items():
+        if not isinstance(name, str) or not isinstance(target, str) or ".processor." in name:
+            continue
+        found = component_path(name)
+        if found is None or found[1].startswith(PEFT_WRAPPER):
+            continue
+        current = names.get(target)
+        if current is None or _diffusers_rank(name) < _diffusers_rank(current):
+            names[target] = name
+    return names
+
+
+# --- tensors ---------------------------------------------------------------------------------------------------------
+
+def _factor_shapes(shape: tuple[int, ...], rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(up, down) shapes of a LoRA on a weight of `shape`, as kohya and PEFT store them: a conv's down carries
+    the kernel (r, in, k…), its up is pointwise (out, r, 1…)."""
+    return (shape[0], rank, *[1] * (len(shape) - 2)), (rank, *shape[1:])
+
+
+def lora_factors(module: Module, plan: Plan, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(up, down, tucker folded) of a LoCon module in the target weight's layout, as stored (Tucker: fp32 fold)."""
+    t, rank = module.tensors, plan.layout.rank
+    up_shape, down_shape = _factor_shapes(shape, rank)
+    if MID not in t:
+        return t[UP].reshape(up_shape), t[DOWN].reshape(down_shape), False
+    _left, folded = tucker_factors(t[MID].float(), t[UP].reshape(shape[0], rank).transpose(0, 1).float(),
+                                   t[DOWN].reshape(rank, -1).float())
+    return t[UP].reshape(up_shape), folded.to(t[DOWN].dtype).reshape(down_shape), True
+
+
+def peft_magnitude(dora_scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """PEFT's magnitude layout: (out,) for a Linear, (1, out, 1…) for a conv (its norm, kept, transposed)."""
+    flat = dora_scale.reshape(-1)
+    return flat if len(shape) == 2 else flat.reshape(1, shape[0], *[1] * (len(shape) - 2))
+
+
+def to_peft(module: Module, plan: Plan, shape: tuple[int, ...], weight: torch.Tensor | None,
+            device: torch.device) -> Converted | str:
+    """The module as PEFT's LoRA (lora_A/lora_B[/lora_magnitude_vector]), or the reason it has no exact form."""
+    name = plan.algorithm
+    if name == "locon":
+        if plan.dora_axis is not None and plan.dora_axis != OUT:
+            return IN_AXIS_DORA
+        up, down, folded = lora_factors(module, plan, shape)
+        tensors = {LORA_A: down, LORA_B: up}
+        if plan.dora_axis is not None:
+            tensors[PEFT_MAGNITUDE] = peft_magnitude(module.tensors[DORA_SCALE], shape)
+        form = "lora" + (" (Tucker folded into lora_A)" if folded else "") + ("+dora" if plan.dora_axis else "")
+        return Converted(tensors, plan.layout.rank, plan.layout.scale * plan.layout.rank, form)
+    if name in NO_PEFT_FORM:
+        return NO_PEFT_FORM[name]
+    if name in NO_KOHYA_FORM or name.startswith("peft-"):
+        return f"{module.label} is PEFT's own form; only LoRA converts between PEFT files here"
+    if not is_factored(plan):
+        return NOT_FACTORED if plan.dora_axis else f"{module.label} has no exact low-rank form"
+    change = factored_change(plan, module.tensors, 1.0, weight, device)
+    rank = change.down.shape[0]
+    up_shape, down_shape = _factor_shapes(shape, rank)
+    dtype = next(iter(module.tensors.values())).dtype
+    return Converted({LORA_A: change.down.to("cpu", dtype).reshape(down_shape),
+                      LORA_B: change.up.to("cpu", dtype).reshape(up_shape)},
+                     rank, float(rank), f"lora of rank {rank} (exact form of {module.label})")
+
+
+def to_kohya(module: Module, plan: Plan, shape: tuple[int, ...]) -> Converted | str:
+    """The module under kohya/LyCORIS suffixes, or the reason it has none. LyCORIS' own algorithms keep their
+    tensors; a PEFT LoRA gets its scale as alpha = s·r and its magnitude as an out-axis dora_scale (out, 1…)."""
+    name = plan.algorithm
+    if name in NO_KOHYA_FORM:
+        return NO_KOHYA_FORM[name]
+    if name == "peft-lora-embedding":
+        return "PEFT's LoRA on an embedding has no kohya/LyCORIS key"
+    tensors = {k: t for k, t in module.tensors.items() if k != DORA_SCALE}
+    if plan.dora_axis is not None:
+        scale = module.tensors[DORA_SCALE]
+        tensors[DORA_SCALE] = (scale.reshape(shape[0], *[1] * (len(shape) - 1)) if plan.dora_axis == OUT else scale)
+    rank = plan.layout.rank
+    alpha = None
+    if rank and module.algorithm.uses_alpha:
+        alpha = plan.layout.scale * rank
+        tensors[ALPHA] = torch.tensor(alpha, dtype=torch.float32)
+    label = module.algorithm.label.lower() + ("+dora" if plan.dora_axis else "")
+    return Converted(tensors, rank, alpha, label)
+
+
+def cast(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Floating tensors in `dtype` (None: as they are); alpha stays fp32 (a scale, not a weight)."""
+    if dtype is None:
+        return dict(tensors)
+    return {k: t.to(dtype) if t.is_floating_point() and k != ALPHA else t for k, t in tensors.items()}
+
+
+# --- PEFT's config -----------------------------------------------------------------------------------------------
+
+def _exact_pattern(path: str) -> str:
+    """A pattern PEFT matches against this module's path only: PEFT tries `(.*\\.)?(pattern)$`, and `^` keeps a
+    longer path that ends the same way from matching (diffusers writes its rank patterns the same way)."""
+    return "^" + re.escape(path)
+
+
+def peft_component_config(modules: Mapping[str, Converted]) -> dict[str, object]:
+    """A LoraConfig dict (what diffusers passes to `LoraConfig(**metadata)`) for one component: module path ->
+    converted module. `r` and `lora_alpha` are the most common values; the other modules get theirs by
+    rank_pattern / alpha_pattern."""
+    ranks = Counter(m.rank for m in modules.values())
+    alphas = Counter(m.alpha for m in modules.values())
+    r, alpha = ranks.most_common(1)[0][0], alphas.most_common(1)[0][0]
+    return {
+        "r": r,
+        "lora_alpha": alpha,
+        "rank_pattern": {_exact_pattern(p): m.rank for p, m in modules.items() if m.rank != r},
+        "alpha_pattern": {_exact_pattern(p): m.alpha for p, m in modules.items() if m.alpha != alpha},
+        "target_modules": sorted(modules),
+        "use_dora": any(PEFT_MAGNITUDE in m.tensors for m in modules.values()),
+        "use_rslora": False,
+        "lora_bias": False,
+        "init_lora_weights": True,
+    }
+
+
+def peft_metadata(modules: Mapping[str, Converted]) -> dict[str, str]:
+    """The metadata diffusers writes and reads back: `lora_adapter_metadata` (one config per component, flattened
+    as diffusers' save_lora_weights flattens them: `unet.r`, ...) and `format: pt`. `modules`: diffusers name ->
+    converted module."""
+    by_component: dict[str, dict[str, Converted]] = {}
+    for name, converted in modules.items():
+        component, path = component_path(name)
+        by_component.setdefault(component, {})[path] = converted
+    flat = {f"{component}.{key}": value for component, group in sorted(by_component.items())
+            for key, value in peft_component_config(group).items()}
+    return {METADATA_KEY: json.dumps(flat, indent=2, sort_keys=True), "format": "pt"}
+
+
+# --- checking -----------------------------------------------------------------------------------------------------
+
+def _frobenius_sq(f: Factors) -> float:
+    """‖A B‖²_F = trace((AᵀA)(BBᵀ)): r×r products, nothing of the weight's size."""
+    up, down = f.up.double(), f.down.double()
+    return float(((up.T @ up) * (down @ down.T)).sum())
+
+
+def relative_difference(source: "Factors | torch.Tensor", converted: "Factors | torch.Tensor") -> float:
+    """‖ΔW_converted − ΔW_source‖ / ‖ΔW_source‖ (0 for a zero change): in factors when both are factored."""
+    if isinstance(source, Factors) and isinstance(converted, Factors):
+        norm = _frobenius_sq(source)
+        difference = Factors.concat([converted, Factors(-source.up, source.down)])
+        return (max(_frobenius_sq(difference), 0.0) / norm) ** 0.5 if norm > 0 else 0.0
+    a = source.dense() if isinstance(source, Factors) else source
+    b = converted.dense() if isinstance(converted, Factors) else converted
+    a, b = a.double().reshape(a.shape[0], -1), b.double().reshape(b.shape[0], -1)
+    norm = float(a.norm())
+    return float((b - a).norm()) / norm if norm > 0 else 0.0

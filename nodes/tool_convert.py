@@ -1,0 +1,325 @@
+"""Convert LyCORIS: a file's modules renamed between kohya/LyCORIS names and diffusers/PEFT names, exactly.
+
+Names come from the model: every module is placed by the loader's own mapping (apply.map_file, ComfyUI's key map
+extended with diffusers/PEFT names), and the weight it lands on is named in the target style (kohya: the name
+every LoRA tool and ComfyUI's core loader read, tools_common.file_names; diffusers: what save_lora_weights writes,
+convert.diffusers_names). The tensors are converted by lycoris_core/tools/convert.py. Every written module is
+then read back by the loader's own parser and maths and compared with the source module's change: a module that
+does not reproduce it (relative 1e-5, fp32) is not written. What cannot be converted is reported per module with
+its reason, or, with on_unconvertible = error, refuses the whole conversion.
+"""
+
+import os
+from dataclasses import dataclass
+
+import comfy.sd
+import folder_paths
+import torch
+from comfy_api.latest import io
+
+from ..lycoris_core import LycorisError, LycorisFile, parse_state_dict
+from ..lycoris_core.tools import convert
+from ..lycoris_core.tools.changes import module_change
+from ..lycoris_core.tools.metadata import ModuleRecord, tool_metadata
+from .apply import Applied, lora_key_map, map_file, model_family
+from .cache import load_cached
+from .loaders import lycoris_input, lycoris_path
+from .tools_common import (
+    CATEGORY,
+    Progress,
+    ToolReport,
+    device,
+    file_names,
+    output_name_input,
+    overwrite_input,
+    report_outputs,
+    write_file,
+)
+
+TOOL = "Convert LyCORIS"
+REPORT, ERROR = "report and leave out", "error"
+DTYPES = {"keep": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+EXACT = 1e-5  # a converted module's change may differ from the source's by this much (fp32 rounding) at most
+FUSED_PART = ("changes part of a fused weight (rows {offset} of {key}): the {target} names give only the whole "
+              "weight")
+ONE_NAME = "another module of the file already changes this weight ({other}); a file holds one module per weight"
+
+
+@dataclass
+class Planned:
+    """One module on its way out: its output name, converted form, and where it acts in the model."""
+
+    source_key: str
+    name: str
+    converted: convert.Converted
+    applied: Applied
+
+
+# --- the model's side: names, weights ----------------------------------------------------------------------------
+
+def key_map_of(model, clip) -> dict:
+    key_map = {}
+    if model is not None:
+        key_map.update(lora_key_map(model.model, is_clip=False))
+    if clip is not None:
+        key_map.update(lora_key_map(clip.cond_stage_model, is_clip=True))
+    return key_map
+
+
+def weight_of(applied: Applied, model, clip) -> torch.Tensor:
+    """The model's weight a module changes (its rows, for an offset target), as loaded (unpatched)."""
+    module = model.model if applied.target.side == "model" else clip.cond_stage_model
+    weight = module.state_dict()[applied.target.key]
+    offset = applied.target.offset
+    return weight if offset is None else weight.narrow(offset[0], offset[1], offset[2])
+
+
+def weight_key(applied: Applied) -> str:
+    """The weight whose name a module takes: a bias part (LyCORIS' diff_b) sits with its layer's weight."""
+    key = applied.target.key
+    return key[: -len(".bias")] + ".weight" if applied.module.param == "bias" else key
+
+
+# --- converting ---------------------------------------------------------------------------------------------------
+
+def convert_module(applied: Applied, target: str, weight: torch.Tensor) -> convert.Converted | str:
+    shape = tuple(applied.target.shape)
+    if target == convert.KOHYA:
+        return convert.to_kohya(applied.module, applied.plan, shape)
+    return convert.to_peft(applied.module, applied.plan, shape, weight, device())
+
+
+def plan_modules(lfile: LycorisFile, model, clip, target: str) -> tuple[list[Planned], list[tuple[str, str]]]:
+    """Every module of the file either planned under its target name or listed with the reason it is not."""
+    _patches, mapped = map_file(lfile, model, clip, reference=False)
+    key_map = key_map_of(model, clip)
+    names = file_names(key_map) if target == convert.KOHYA else convert.diffusers_names(key_map)
+    refused = list(mapped.problems) + list(mapped.unused_keys)
+    planned: list[Planned] = []
+    taken: dict[tuple[str, str], str] = {}  # (name, parameter) -> the module key that took it
+    progress = Progress(len(mapped.targets))
+    for module_key, applied in mapped.targets.items():
+        progress.step()
+        reason = _name_problem(applied, names, target)
+        name = names.get(weight_key(applied))
+        if reason is None and (name, applied.module.param) in taken:
+            reason = ONE_NAME.format(other=taken[name, applied.module.param])
+        if reason is None:
+            result = convert_module(applied, target, weight_of(applied, model, clip))
+            if isinstance(result, str):
+                reason = result
+            else:
+                taken[name, applied.module.param] = module_key
+                planned.append(Planned(module_key, name, result, applied))
+        if reason is not None:
+            refused.append((module_key, reason))
+    return planned, refused
+
+
+def _name_problem(applied: Applied, names: dict[str, str], target: str) -> str | None:
+    style = "kohya" if target == convert.KOHYA else "diffusers/PEFT"
+    if applied.target.offset is not None:
+        return FUSED_PART.format(offset=list(applied.target.offset), key=applied.target.key, target=style)
+    if weight_key(applied) not in names:
+        return f"this model's key map has no {style} name for {weight_key(applied)}"
+    return None
+
+
+def _output_tensors(planned: list[Planned], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """`keep` (None) keeps each module's stored dtype; computed factors (a Tucker fold) are cast to it."""
+    tensors = {}
+    for p in planned:
+        keep = next(iter(p.applied.module.tensors.values())).dtype
+        for suffix, tensor in convert.cast(p.converted.tensors, dtype or keep).items():
+            tensors[f"{p.name}.{suffix}"] = tensor
+    return tensors
+
+
+def _peft_metadata(planned: list[Planned]) -> dict[str, str]:
+    return convert.peft_metadata({p.name: p.converted for p in planned})
+
+
+def differences(planned: list[Planned], tensors: dict, metadata: dict, model, clip, name: str
+                ) -> dict[str, float | str]:
+    """Source module key -> relative difference of the written module's change (read back by our own parser and
+    maths, placed by the key map) from the source module's; a string when it does not read back to that weight."""
+    parsed = parse_state_dict(tensors, name, metadata)
+    _p, mapped = map_file(parsed, model, clip, reference=False)
+    by_name = {(a.module.prefix, a.module.param): a for a in mapped.targets.values()}
+    found = {}
+    for p in planned:
+        back = by_name.get((p.name, p.applied.module.param))
+        if back is None or back.target.key != p.applied.target.key:
+            found[p.source_key] = "the written module does not read back onto the same weight"
+            continue
+        weight = weight_of(p.applied, model, clip)
+        source = module_change(p.applied.plan, p.applied.module.tensors, 1.0, weight, device())
+        written = module_change(back.plan, back.module.tensors, 1.0, weight, device())
+        found[p.source_key] = convert.relative_difference(source, written)
+    return found
+
+
+def _checked(planned: list[Planned], model, clip, target: str, name: str) -> tuple[list[Planned], list]:
+    """The planned modules whose maths reproduces the source (checked before any rounding to the save dtype)."""
+    tensors = _output_tensors(planned, torch.float32)
+    metadata = _peft_metadata(planned) if target == convert.DIFFUSERS and planned else {}
+    found = differences(planned, tensors, metadata, model, clip, name) if planned else {}
+    kept, refused = [], []
+    for p in planned:
+        difference = found[p.source_key]
+        if isinstance(difference, str) or difference > EXACT:
+            detail = difference if isinstance(difference, str) else f"relative difference {difference:.2e}"
+            refused.append((p.source_key, f"the converted module does not reproduce the change ({detail})"))
+        else:
+            kept.append(p)
+    return kept, refused
+
+
+@dataclass
+class Conversion:
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, object]
+    report: ToolReport
+
+
+def conversion(lfile: LycorisFile, model, clip, target: str, on_unconvertible: str, dtype_name: str,
+               title: str) -> Conversion:
+    """The converted file (tensors + metadata) and its report; LycorisError when nothing converts or when
+    `on_unconvertible` is `error` and something does not."""
+    if target not in convert.TARGETS:
+        raise LycorisError(f"unknown target '{target}' (kohya or diffusers)")
+    if dtype_name not in DTYPES:
+        raise LycorisError(f"unknown save dtype '{dtype_name}' ({', '.join(DTYPES)})")
+    planned, refused = plan_modules(lfile, model, clip, target)
+    planned, failed = _checked(planned, model, clip, target, lfile.name)
+    refused += failed
+    if refused and on_unconvertible == ERROR:
+        key, reason = refused[0]
+        raise LycorisError(f"{len(refused)} modules cannot be converted to {target} exactly, e.g. {reason}",
+                           file=lfile.name, key=key)
+    if not planned:
+        detail = f": {refused[0][0]}: {refused[0][1]}" if refused else ""
+        raise LycorisError(f"no module converts to {target}{detail}", file=lfile.name)
+    tensors = _output_tensors(planned, DTYPES[dtype_name])
+    stored = _peft_metadata(planned) if target == convert.DIFFUSERS else {}
+    errors = differences(planned, tensors, stored, model, clip, lfile.name)
+    records = {p.name: ModuleRecord(p.converted.form, p.converted.rank,
+                                    errors[p.source_key] if isinstance(errors[p.source_key], float) else 1.0)
+               for p in planned}
+    metadata = _metadata(lfile, model, target, title, records, refused, stored)
+    report = ToolReport(TOOL, modules=records, not_written=refused, notes=_notes(planned, target, dtype_name))
+    return Conversion(tensors, metadata, report)
+
+
+def _notes(planned: list[Planned], target: str, dtype_name: str) -> list[str]:
+    forms = sorted({p.converted.form for p in planned})
+    notes = [f"converted to {target} names: {', '.join(forms)}"]
+    if any("Tucker" in f for f in forms):
+        notes.append("Tucker (lora_mid) has no PEFT form: folded into lora_A, an exact LoCon of the same rank")
+    if target == convert.KOHYA and any("dora" in f for f in forms):
+        notes.append("DoRA is written as LyCORIS' out-axis dora_scale: our loader reads it exactly; ComfyUI's core "
+                     "loader normalises the out-axis by W instead of W + dW and differs")
+    if dtype_name != "keep":
+        notes.append(f"saved in {dtype_name}: the error per module is that rounding")
+    return notes
+
+
+def _metadata(lfile: LycorisFile, model, target: str, title: str, records: dict, refused: list,
+              peft: dict) -> dict[str, object]:
+    family = model_family(model) or lfile.metadata.get("ss_base_model_version")
+    forms = {r.form for r in records.values()}
+    plain = target == convert.DIFFUSERS or all(f.startswith(("locon", "lora")) for f in forms)
+    metadata = tool_metadata(TOOL, title, family, records, [{"file": lfile.name}],
+                             "networks.lora" if plain else "lycoris.kohya", "lora" if plain else "mixed",
+                             {"target": target, "not_written": {k: r for k, r in refused}})
+    metadata.update(peft)
+    return metadata
+
+
+# --- the node ------------------------------------------------------------------------------------------------------
+
+def run(lycoris_path_: str, model, clip, target: str, on_unconvertible: str, save_dtype: str, output_name: str,
+        overwrite: bool) -> ToolReport:
+    lfile = load_cached(lycoris_path_)
+    title = os.path.splitext(os.path.basename(output_name.strip()))[0] or "converted"
+    result = conversion(lfile, model, clip, target, on_unconvertible, save_dtype, title)
+    result.report.file = write_file(output_name, result.tensors, result.metadata, overwrite)
+    return result.report
+
+
+class LycorisConvert(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LycorisConvert",
+            display_name="Convert LyCORIS",
+            category=CATEGORY,
+            description=(
+                "Writes a LyCORIS/LoRA file under kohya/LyCORIS names or under diffusers/PEFT names, exactly: the "
+                "model says which weight each module changes and what that weight is called. What the other side "
+                "cannot hold is listed with its reason, never dropped silently."),
+            inputs=[
+                lycoris_input(),
+                io.Combo.Input("target", options=list(convert.TARGETS), default=convert.DIFFUSERS,
+                               tooltip="kohya: lora_unet_/lora_te_ names with alpha (ComfyUI's core loader, A1111, "
+                                       "kohya's scripts). diffusers: unet./transformer./text_encoder. names with "
+                                       "lora_A/lora_B and the PEFT config in the metadata (diffusers, PEFT)."),
+                io.Model.Input("model", tooltip="The model the file is for: it gives each module's weight and name."),
+                io.Clip.Input("clip", optional=True,
+                              tooltip="The text encoder the file is for; without it, text-encoder modules are "
+                                      "reported, not written."),
+                io.Combo.Input("on_unconvertible", options=[REPORT, ERROR], default=REPORT, optional=True,
+                               tooltip="A module the target cannot hold exactly: leave it out and list it with the "
+                                       "reason, or refuse the whole conversion."),
+                io.Combo.Input("save_dtype", options=list(DTYPES), default="keep", optional=True,
+                               tooltip="keep: each tensor's own dtype (exact). fp16/bf16/fp32: cast (the rounding "
+                                       "is reported per module)."),
+                output_name_input("converted/converted"),
+                overwrite_input(),
+            ],
+            outputs=report_outputs(),
+        )
+
+    @classmethod
+    def execute(cls, lycoris_name, target, model, clip=None, on_unconvertible=REPORT, save_dtype="keep",
+                output_name="converted/converted", overwrite=False) -> io.NodeOutput:
+        report = run(lycoris_path(lycoris_name), model, clip, target, on_unconvertible, save_dtype, output_name,
+                     overwrite)
+        return report.node_output()
+
+
+NODES: list[type[io.ComfyNode]] = [LycorisConvert]
+
+
+# --- the command line ----------------------------------------------------------------------------------------------
+
+CLI_HELP = "convert a file between kohya/LyCORIS names and diffusers/PEFT names, exactly (needs the checkpoint)"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("file", help="the LyCORIS/LoRA file: a name in the loras folder or a path")
+    parser.add_argument("--to", required=True, choices=convert.TARGETS, dest="target", help="the names to write")
+    parser.add_argument("--checkpoint", required=True,
+                        help="the model the file is for (a name in the checkpoints folder or a path): its weights "
+                             "name the modules")
+    parser.add_argument("-o", "--output", required=True, help="output name in the loras folder")
+    parser.add_argument("--on-unconvertible", choices=[REPORT, ERROR], default=REPORT)
+    parser.add_argument("--save-dtype", choices=list(DTYPES), default="keep")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+
+
+def input_path(name: str, folder: str) -> str:
+    """A path as given, else a name in ComfyUI's `folder`; LycorisError when neither exists."""
+    if os.path.isfile(name):
+        return name
+    found = folder_paths.get_full_path(folder, name)
+    if found is None:
+        raise LycorisError(f"no such file (neither a path nor a name in the {folder} folder)", file=name)
+    return found
+
+
+def run_cli(args) -> ToolReport:
+    checkpoint = input_path(args.checkpoint, "checkpoints")
+    model, clip, _vae, _ = comfy.sd.load_checkpoint_guess_config(checkpoint, output_vae=False, output_clipvision=False)
+    return run(input_path(args.file, "loras"), model, clip, args.target, args.on_unconvertible, args.save_dtype,
+               args.output, args.overwrite)
