@@ -4,7 +4,8 @@ LoCon (every rank rule of lowrank.RULES, LyCORIS' extractor's names):
 
     ΔW₂ = ΔW.reshape(out, −1) = U Σ Vᵀ,   rank r by the rule,   ΔW₂ ≈ (U_r Σ_r^½)(Σ_r^½ V_rᵀ) = lora_up @ lora_down
 
-  LyCORIS' extractor (lycoris.utils.extract_linear / extract_conv, 4.1.3) clamps r to [1, min(out, in)] and writes
+  LyCORIS' extractor (lycoris.utils.extract_linear / extract_conv, 4.1.3) clamps r to [1, min(out, in)] (for a
+  conv: its input channels, not in·k², as extract_conv does) and writes
   the module as a full diff (`diff`, exact) when r ≥ out / 2: that is kept here (after our optional cap `max_rank`).
   A conv is written as LoCon with a k×k lora_down, the best rank-r approximation. LyCORIS' `small_conv` step (a
   `lora_mid` Tucker core) is not taken: it truncates lora_down (r, in, k, k), read as (in, r·k²), to rank r again,
@@ -89,6 +90,7 @@ def relative_change(delta: torch.Tensor, base: torch.Tensor) -> float:
     return change / norm if norm > 0 else math.inf
 
 
+@torch.no_grad()
 def extract_weight(base: torch.Tensor, tuned: torch.Tensor, rule: RankRule | None, algo: str = "locon",
                    dtype: torch.dtype = torch.float16, device: torch.device | str | None = None,
                    skip_below: float = 0.0, factor: int = -1,
@@ -150,7 +152,7 @@ def locon(delta: torch.Tensor, rule: RankRule, dtype: torch.dtype) -> _Module:
     """LoCon at the rule's rank, or the full diff where LyCORIS' extractor writes one."""
     out = delta.shape[0]
     spec = spectrum(delta, int(rule.value) if rule.mode == "fixed" else None)
-    rank = choose_rank(spec.s, rule)
+    rank = min(choose_rank(spec.s, rule), delta.shape[1])  # LyCORIS clamps a conv's rank to its input channels
     if lycoris_writes_full(rank, out):
         return full_diff(delta, dtype)
     root = spec.s[:rank].sqrt()
@@ -212,7 +214,8 @@ def nearest_kronecker(delta: torch.Tensor, factor: int = -1) -> tuple[torch.Tens
     root = spec.s[0].sqrt()
     w1 = (spec.u[:, 0] * root).reshape(a, c)
     w2 = (spec.vh[0] * root).reshape(b, d, *delta.shape[2:])
-    return w1, w2, spec.error(1)
+    fit = stored_error(delta, rebuild_lokr({"lokr_w1": w1, "lokr_w2": w2}, delta.shape))  # measured, not 1 − σ₁²
+    return w1, w2, fit
 
 
 def lokr(delta: torch.Tensor, rule: RankRule, dtype: torch.dtype, factor: int = -1) -> _Module:
