@@ -68,7 +68,9 @@ def missing_error(lfile: LycorisFile, missing: list[tuple[str, str]]) -> Lycoris
 
 def run(path: str, model, clip, settings: resize.Settings, on_missing_base: str, output_name: str,
         overwrite: bool, rule_text: str) -> ToolReport:
-    output_path(output_name)  # a bad name is refused before any maths
+    target = output_path(output_name)  # a bad name, or an existing file, is refused before any maths
+    if target.exists() and not overwrite:
+        raise LycorisError("a file of this name exists; choose another name or allow overwriting", file=str(target))
     lfile = load_cached(path)
     bases = module_bases(lfile, model, clip)
     missing = resize.missing_base(lfile, bases, have_model=model is not None or clip is not None)

@@ -15,6 +15,8 @@ from lycoris_nodes.lycoris_core.tools.changes import dense_change
 from lycoris_nodes.lycoris_core.tools.lowrank import RankRule, choose_rank, spectrum
 from reference.lycoris_factory import VARIANTS, base_params, layer_of
 from safetensors.torch import save_file
+from test_nodes import loras, sd15  # noqa: F401  (fixtures)
+from test_peft_diffusers_names import twin  # noqa: F401  (fixture)
 
 CPU = torch.device("cpu")
 EXACT = 1e-4  # fp32, full rank: relative Frobenius error of the reloaded change (the issue's bound)
@@ -236,3 +238,108 @@ def test_fp16_error_is_measured_after_rounding(tmp_path):
     measured = relative(reloaded_conv(half.tensors, shape, tmp_path), change)
     assert 1e-5 < measured < 1e-2
     assert abs(half.record.error - measured) <= 1e-6
+
+
+# --- the node, on the tiny SD1.5 with files lycoris-lora writes for it -------------------------------------------------
+
+def resize_node(name, output, **options):
+    from lycoris_nodes.nodes.tool_resize import LycorisResize
+    from node_runner import execute
+
+    inputs = {"rule": "fixed", "rank": 4096, "value": 0.9, "dtype": "fp32", **options}
+    return execute(LycorisResize, lycoris_name=name, output_name=output, **inputs).result
+
+
+def per_module_errors(model, source, written) -> dict[str, float]:
+    """Relative error of each written module's change (read back by our loader) against the source file's."""
+    from test_tools_convert import patched_by_our_loader
+
+    base = model.model.state_dict()
+    want, got = patched_by_our_loader(model, source), patched_by_our_loader(model, written)
+    assert sorted(got) == sorted(want)
+    return {key: relative(got[key] - base[key].float(), want[key] - base[key].float()) for key in want}
+
+
+def test_node_resizes_loha_without_a_model_exactly_and_comfy_reads_it(sd15, twin, loras, one_thread):  # noqa: F811
+    """LoHa does not read W: no MODEL needed. Full rank, fp32: the reloaded change equals the source's within 1e-4,
+    and ComfyUI's core LoRA loader makes the same weights as ours of the written file."""
+    from test_tools_convert import core_loader_patched, lycoris_file, patched_by_our_loader
+
+    model, _clip = sd15
+    unet, _ = twin
+    name = lycoris_file(unet, loras, "loha.safetensors", seed=5, algo="loha")
+    written, report = resize_node(name, "resized/loha")
+    errors = per_module_errors(model, loras / name, loras / written)
+    assert max(errors.values()) <= EXACT, report
+    ours = patched_by_our_loader(model, loras / written)
+    comfy = core_loader_patched(model, loras / written)
+    base = model.model.state_dict()
+    assert sorted(comfy) == sorted(ours)
+    for key in ours:
+        assert relative(comfy[key] - base[key].float(), ours[key] - base[key].float()) <= 1e-5, key
+    lfile = load(loras / written)
+    assert {m.algorithm.name for m in lfile.modules.values()} == {"locon"}
+    assert {m.prefix for m in lfile.modules.values()} == {m.prefix for m in load(loras / name).modules.values()}
+    assert "not written" not in report
+
+
+def test_node_dora_needs_the_base_model(sd15, twin, loras, one_thread):  # noqa: F811
+    """DoRA reads W: without MODEL it is refused (default) or, if asked, left out and listed; with MODEL at rank 2
+    in fp16 each module's reported error is the one measured on the reloaded file, and the metadata records it."""
+    import json
+
+    from safetensors import safe_open
+    from test_tools_convert import lycoris_file
+
+    model, _clip = sd15
+    unet, _ = twin
+    name = lycoris_file(unet, loras, "dora.safetensors", seed=6, algo="locon", dora_wd=True, wd_on_output=True)
+    with pytest.raises(LycorisError, match="connect the MODEL"):
+        resize_node(name, "resized/dora")
+    with pytest.raises(LycorisError, match="nothing to write"):
+        resize_node(name, "resized/dora", on_missing_base="skip-and-report")
+    assert not (loras / "resized" / "dora.safetensors").exists()
+    written, _report = resize_node(name, "resized/dora", rank=2, dtype="fp16", model=model)
+    measured = per_module_errors(model, loras / name, loras / written)
+    with safe_open(str(loras / written), "pt") as f:
+        recorded = json.loads(f.metadata()["lycoris_nodes.modules"])
+    _, mapped = __import__("lycoris_nodes.nodes.apply", fromlist=["map_file"]).map_file(
+        load(loras / name), model, None, reference=False)
+    by_weight = {applied.target.key: key for key, applied in mapped.targets.items()}
+    assert sorted(by_weight[k] for k in measured) == sorted(recorded)
+    for weight_key, error in measured.items():
+        record = recorded[by_weight[weight_key]]
+        assert record["rank"] <= 2 and 0 < error
+        assert abs(record["error"] - error) <= 1e-3 * error + 1e-6, weight_key  # the metadata keeps 3 digits
+    with pytest.raises(LycorisError, match="exists"):
+        resize_node(name, "resized/dora", rank=2, model=model)
+
+
+def test_cli_resizes_a_file(sd15, twin, tmp_path):  # noqa: F811
+    """The command line, one run (ComfyUI's start is most of its ~12 s): a LoHa file lycoris-lora wrote, to rank 2
+    LoCon in fp16 (no checkpoint needed)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_tools_convert import keys_of, lycoris_file
+
+    repo = Path(__file__).resolve().parent.parent
+    lora_dir = tmp_path / "models" / "loras"
+    lora_dir.mkdir(parents=True)
+    unet, _ = twin
+    name = lycoris_file(unet, lora_dir, "loha.safetensors", seed=8, algo="loha")
+    comfy_dir = os.environ.get("COMFYUI_PATH", str(repo / ".deps" / "ComfyUI"))
+    run = subprocess.run([sys.executable, str(repo / "lycoris_tools.py"), "--comfyui", comfy_dir, "--cpu",
+                          "--base-directory", str(tmp_path), "resize", name, "--rank", "2", "--dtype", "fp16",
+                          "-o", "small"], check=False, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    source = load(lora_dir / name)
+    assert f"{len(source.modules)} modules" in run.stdout and "rank 2" in run.stdout
+    written = load(lora_dir / "small.safetensors")
+    assert {m.prefix for m in written.modules.values()} == {m.prefix for m in source.modules.values()}
+    assert all(k.endswith(("lora_up.weight", "lora_down.weight", "lora_mid.weight", "alpha"))
+               for k in keys_of(lora_dir / "small.safetensors"))
+    assert max(m.layout.rank for m in written.modules.values()) <= 2 or any(
+        "lora_mid.weight" in m.tensors for m in written.modules.values())

@@ -199,6 +199,7 @@ def missing_base(lfile: LycorisFile, bases: Mapping[str, Base], have_model: bool
     return missing
 
 
+@torch.no_grad()  # a model's weights are Parameters: nothing here is to be differentiated
 def resize_file(lfile: LycorisFile, bases: Mapping[str, Base], settings: Settings, device: torch.device,
                 skip: Mapping[str, str] | None = None, step: Callable[[], None] = lambda: None) -> Result:
     """Every module of `lfile` resized (those in `skip` listed as not written with their reason). `bases[key]`: the
