@@ -32,10 +32,13 @@ class Side:
     """One part (diffusion model or text encoder): tuned and base patchers, the weight keys to compare and the name
     each is written under (tools_common.file_names over ComfyUI's key map)."""
 
-    def __init__(self, label: str, tuned, base, is_clip: bool, base_name: str):
+    def __init__(self, label: str, tuned, base, is_clip: bool, base_name: str, config=None):
         self.label, self.tuned, self.base = label, tuned, base
         names = tools_common.file_names(lora_key_map(tuned.model, is_clip))
-        tuned_shapes = {k: tuple(v.shape) for k, v in tuned.model.state_dict().items()}
+        tuned_sd = tuned.model.state_dict()
+        self.dropped = sorted(k for k in names if is_clip and k in tuned_sd and not_saved_text_weight(config, k, tuned_sd))
+        names = {k: n for k, n in names.items() if k not in self.dropped}
+        tuned_shapes = {k: tuple(v.shape) for k, v in tuned_sd.items()}
         base_shapes = {k: tuple(v.shape) for k, v in base.model.state_dict().items()}
         for key in names:
             if key not in tuned_shapes:
@@ -55,6 +58,15 @@ class Side:
                               options["factor"],
                               base_bias=None if bias is None else patched_weight(self.base, bias, device),
                               tuned_bias=None if bias is None else patched_weight(self.tuned, bias, device))
+
+
+def not_saved_text_weight(config, key: str, state_dict: dict) -> bool:
+    """A text-encoder weight ComfyUI's model config drops when it saves a checkpoint (SD1/SD2's unused
+    text_projection, which it does not load either: its values are whatever memory held, different at every load)."""
+    saving = getattr(config, "process_clip_state_dict_for_saving", None)
+    if saving is None:
+        return False
+    return not saving({key: state_dict[key]})
 
 
 def checkpoint_base(name: str, with_clip: bool):
@@ -87,8 +99,12 @@ def sides(model, clip, model_base, clip_base, base_checkpoint: str) -> list[Side
             raise LycorisError("give both clip and clip_base to extract the text encoder, or neither")
     parts = [Side("diffusion model", model, model_base, False, base_name)]
     if clip is not None:
-        parts.append(Side("text encoder", clip.patcher, clip_base.patcher, True, base_name))
+        parts.append(Side("text encoder", clip.patcher, clip_base.patcher, True, base_name, model_config(model)))
     return parts
+
+
+def model_config(model):
+    return getattr(model.model, "model_config", None)
 
 
 # --- The run ------------------------------------------------------------------------------------------------------
@@ -156,6 +172,9 @@ def run(parts: list[Side], options: dict, output_name: str, overwrite: bool, fam
                              "networks.lora" if plain else "lycoris.kohya",
                              options["algo"] if forms - {"full", "bias"} else "full", options["settings"])
     report.file = tools_common.write_file(output_name, tensors, metadata, overwrite)
+    dropped = [key for part in parts for key in part.dropped]
+    if dropped:
+        report.notes.append(f"not compared (ComfyUI neither loads nor saves them for this model): {', '.join(dropped)}")
     if unchanged:
         report.notes.append(f"{unchanged} weights are identical in both models (nothing to write for them)")
     return report
@@ -269,6 +288,7 @@ def run_cli(args) -> ToolReport:
     base, base_clip = _checkpoint(args.base, with_clip)
     parts = [Side("diffusion model", tuned, base, False, args.base)]
     if tuned_clip is not None and base_clip is not None:
-        parts.append(Side("text encoder", tuned_clip.patcher, base_clip.patcher, True, args.base))
+        parts.append(Side("text encoder", tuned_clip.patcher, base_clip.patcher, True, args.base,
+                          model_config(tuned)))
     sources = [{"role": "tuned", "checkpoint": args.tuned}, {"role": "base", "checkpoint": args.base}]
     return run(parts, options, args.output, args.overwrite, model_family(tuned), sources)

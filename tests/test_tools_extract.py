@@ -234,6 +234,25 @@ def test_node_model_and_model_reloads_in_both_loaders(sd15, loras, tuned):
     assert_reproduces(patchers(*core), patchers(*tuned), base, keys, 1e-5)
 
 
+@pytest.mark.parametrize("how", ["core LoraLoader", "our loader, bypass"])
+def test_node_counts_patches_of_any_loader(sd15, loras, locon_file, how):
+    """The tuned MODEL/CLIP patched by ComfyUI's own LoraLoader (its adapters), or by our loader in bypass mode
+    (injections, nothing merged): the change extracted is the file's, exactly (rank 4 in fp32)."""
+    model, clip = sd15
+    name = locon_file.install(loras, "locon.safetensors")
+    if how == "core LoraLoader":
+        tuned = comfy_nodes.LoraLoader().load_lora(model, clip, name, 1.0, 1.0)
+    else:
+        tuned = execute(LycorisLoader, model=model, clip=clip, lycoris_name=name, strength_model=1.0,
+                        strength_clip=1.0, apply_mode="bypass").result
+        assert not tuned[0].patches.get(model_key(LAYERS[1]))  # bypassed: nothing merged on this Linear
+    _file, report = execute(LycorisExtract, model=tuned[0], clip=tuned[1], model_base=model, clip_base=clip,
+                            mode="fixed", mode_param=4.0, max_rank=0, algo="locon", skip_below=0.0,
+                            save_dtype="fp32", output_name="any_loader").result
+    first = report.splitlines()[0]  # "Extract LyCORIS: any_loader.safetensors: 10 modules, largest relative error x"
+    assert ": 10 modules, largest relative error " in first and float(first.rsplit(" ", 1)[1]) < 1e-5, report
+
+
 def test_node_model_and_checkpoint_lower_rank_within_reported_error(sd15, loras, tuned, tmp_path, monkeypatch):
     """Base as the checkpoint file; rank 2 of rank-4 changes in fp16, skip_below listing what it skipped: each
     written module reproduces the tuned weight within its reported error (plus fp16 rounding of the model's own)."""
@@ -323,6 +342,7 @@ def test_cli_extracts_from_two_checkpoints(tmp_path, loras, capsys):
     assert {"lora_unet_input_blocks_1_1_transformer_blocks_0_attn1_to_q",
             "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"} <= names, names
     assert "lora_unet_input_blocks_1_1_transformer_blocks_0_attn1_to_q: locon, rank 3" in done.stdout
+    assert not any("text_projection" in n for n in names)  # ComfyUI never loads SD1's: garbage at each load
 
     # a taken name is refused before any checkpoint is read (in-process: another ComfyUI start costs seconds)
     from lycoris_nodes.nodes import cli
