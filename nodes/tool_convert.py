@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 import comfy.sd
+import comfy.utils
 import folder_paths
 import torch
 from comfy_api.latest import io
@@ -67,9 +68,10 @@ def key_map_of(model, clip) -> dict:
 
 
 def weight_of(applied: Applied, model, clip) -> torch.Tensor:
-    """The model's weight a module changes (its rows, for an offset target), as loaded (unpatched)."""
+    """The model's weight a module changes (its rows, for an offset target): read directly (a state_dict() per
+    module would list the whole model each time)."""
     module = model.model if applied.target.side == "model" else clip.cond_stage_model
-    weight = module.state_dict()[applied.target.key]
+    weight = comfy.utils.get_attr(module, applied.target.key).detach()
     offset = applied.target.offset
     return weight if offset is None else weight.narrow(offset[0], offset[1], offset[2])
 

@@ -41,6 +41,7 @@ sd15 = test_nodes.sd15
 loras = test_nodes.loras
 TOLERANCE = 1e-4
 REPO = Path(__file__).resolve().parent.parent
+KOHYA_TO_Q = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
 BLOCK = "down_blocks.0.attentions.0."
 # A few layers of each kind (Linear, 1x1 conv proj_in, 3x3 conv): the maths is per module, the time is per module.
 LINEAR_TARGETS = [BLOCK + "transformer_blocks.0.attn1.to_q", BLOCK + "transformer_blocks.0.attn2.to_k",
@@ -145,6 +146,7 @@ LYCORIS_SOURCES = {
     "locon-tucker": {"algo": "locon", "use_tucker": True},
     "locon-dora-out": {"algo": "locon", "dora_wd": True, "wd_on_output": True},
     "loha": {"algo": "loha"},
+    "lokr": {"algo": "lokr", "factor": 8},
 }
 
 
@@ -268,6 +270,25 @@ def test_diffusers_names_are_what_save_lora_weights_writes(sd15):
     assert names[test_nodes.TO_Q_KEY].startswith("unet.down_blocks.") and names[test_nodes.TO_Q_KEY].endswith(
         ".attn1.to_q")
     assert names[test_nodes.TE_Q_KEY] == "text_encoder.text_model.encoder.layers.0.self_attn.q_proj"
+
+
+def test_text_encoder_module_converts_under_diffusers_name(sd15, loras):
+    """A kohya `lora_te_` module with the CLIP connected: written as `text_encoder.text_model.…`, read back by our
+    loader onto the same CLIP weight with the same change; without the CLIP it is listed, not dropped."""
+    model, clip = sd15
+    source = test_nodes.write(loras, "te.safetensors", {**test_nodes.lora(test_nodes.TE_Q, 768, 768, seed=5),
+                                                        **test_nodes.lora(KOHYA_TO_Q, 320, 320, seed=7)})
+    written, _ = convert(source, "diffusers", model, "te/out", clip=clip)
+    assert "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight" in keys_of(loras / written)
+    changes = []
+    for name in (source, written):
+        _, report = map_file(read(loras / name), model, clip, reference=False)
+        applied = next(a for a in report.targets.values() if a.target.key == test_nodes.TE_Q_KEY)
+        w = clip.cond_stage_model.state_dict()[test_nodes.TE_Q_KEY].float()
+        changes.append(change(applied.plan, {k: t.float() for k, t in applied.module.tensors.items()}, w, 1.0))
+    assert float((changes[1] - changes[0]).norm() / changes[0].norm()) <= 1e-6
+    _, report = convert(source, "diffusers", model, "te/no-clip")
+    assert "no CLIP is connected" in report
 
 
 def test_cli_converts_with_a_checkpoint(tmp_path):
