@@ -34,11 +34,11 @@ from .tools_common import (
 
 TOOL = "LycorisResize"
 ERROR, SKIP = "error", "skip-and-report"
-RULE_TOOLTIP = ("How each module's rank is chosen from its singular values σ (descending). fixed: 'rank' itself. "
-                "kohya's resize_lora (--dynamic_method): sv_ratio keeps σ ≥ σ₁/value (value ≥ 1); sv_cumulative "
-                "keeps σ until their running sum reaches 'value' of the total; sv_fro keeps the rank whose Frobenius "
-                "norm reaches 'value' of the change's. LyCORIS' extractor: threshold keeps σ > value; ratio keeps "
-                "σ > value·σ₁; quantile keeps σ until their running sum reaches 'value'. Dynamic rules are capped "
+RULE_TOOLTIP = ("How each module's rank is chosen from its singular values s1 >= s2 >= ... fixed: 'rank' itself. "
+                "kohya's resize_lora (--dynamic_method): sv_ratio keeps s >= s1/value (value >= 1); sv_cumulative "
+                "keeps s until their running sum reaches 'value' of the total; sv_fro keeps the rank whose Frobenius "
+                "norm reaches 'value' of the change's. LyCORIS' extractor: threshold keeps s > value; ratio keeps "
+                "s > value*s1; quantile keeps s until their running sum reaches 'value'. Dynamic rules are capped "
                 "at 'rank'.")
 
 
@@ -89,6 +89,11 @@ def run(path: str, model, clip, settings: resize.Settings, on_missing_base: str,
     report.file = write_file(output_name, result.tensors, metadata, overwrite)
     report.notes.append(f"{rule_text}, {str(settings.dtype).removeprefix('torch.')}; source: {lfile.name}")
     report.notes.append(forms_line(result.modules))
+    if result.shape_from_file:
+        report.notes.append(
+            f"{len(result.shape_from_file)} modules were written flat (out, in x kernel): the file does not record "
+            "their layer's kernel shape and no MODEL/CLIP gives it (ComfyUI and this pack read them the same; "
+            "connect MODEL/CLIP for conv-shaped tensors and Tucker)")
     return report
 
 

@@ -150,6 +150,7 @@ class Result:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # full keys, as written
     modules: dict[str, ModuleRecord] = field(default_factory=dict)
     not_written: list[tuple[str, str]] = field(default_factory=list)
+    shape_from_file: list[str] = field(default_factory=list)  # modules whose full weight shape the file does not pin
 
 
 def layout_shape(module: Module) -> tuple[int, ...]:
@@ -209,7 +210,11 @@ def resize_file(lfile: LycorisFile, bases: Mapping[str, Base], settings: Setting
         if skip and key in skip:
             step()
             continue
-        base = bases.get(key) or Base(layout_shape(module))
+        base = bases.get(key)
+        if base is None:
+            base = Base(layout_shape(module))
+            if module.layout.shape is None and len(base.shape) == 2:
+                result.shape_from_file.append(key)
         plan = module.plan_for(base.shape, file=lfile.name)
         resized = resize_module(module, plan, base, settings, device)
         for suffix, tensor in resized.tensors.items():

@@ -35,7 +35,7 @@ class Basis:
     d: torch.Tensor
     core: torch.Tensor
     energy: float
-    kept: torch.Tensor  # kept[i, j] = ‖G[:i+1, :j+1]‖²_F (float64)
+    kept: torch.Tensor  # kept[i, j]: squared Frobenius norm of G[:i+1, :j+1] (float64)
 
     def error(self, rank: int) -> float:
         """Relative Frobenius error of the rank-`rank` Tucker form."""
