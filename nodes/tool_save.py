@@ -137,7 +137,7 @@ def hooked_keys(patcher) -> list[str]:
 def base_weight(patcher, key: str, at: torch.device) -> torch.Tensor:
     """W₀ as ComfyUI patches it: the weight before any patch (report.unpatched_weight), an fp32 copy on `at`,
     dequantized or decoded, through ComfyUI's converter function when the weight has one."""
-    weight = unpatched_weight(patcher, key)
+    weight = unpatched_weight(patcher, key).detach()
     _weight, _set, convert = comfy.model_patcher.get_key_weight(patcher.model, key)
     if gguf.is_packed(weight):
         temp = gguf.decoded(patcher.model.get_submodule(layer_name(key)), weight)
@@ -261,7 +261,8 @@ def save(model, clip, output_name: str, settings: Settings, overwrite: bool = Fa
         raise LycorisError("a file of this name exists; choose another name or allow overwriting", file=str(path))
     report = ToolReport("Save LyCORIS")
     sides = sides_of(model, clip)
-    tensors = collect(sides, settings, report)
+    with torch.no_grad():
+        tensors = collect(sides, settings, report)
     has_foreign = any(chain.has_foreign for side in sides for chain in chains_of(side.patcher).values())
     listed = sources(model, clip, has_foreign)
     _notes(report, settings, listed)

@@ -8,11 +8,12 @@ Truth never comes from the save code:
 * the saved file is read back by our loader and by ComfyUI's core LoRA loader (comfy.sd.load_lora_for_models) on the
   base model at strength 1; its weights are compared with the stacked ones (fp32: ≤ 1e-4 of the change);
 * `lora` mode: the error the report states is compared with the error measured on the reloaded weights, and the rank
-  an error target picks with the one numpy's SVD of the stacked change gives.
+  an error target picks with the one the singular values of the stacked change give.
 """
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -36,7 +37,7 @@ from lycoris_nodes.nodes import cli as lycoris_tools_cli
 from lycoris_nodes.nodes.loaders import LycorisLoader
 from lycoris_nodes.nodes.schedule import LycorisHook
 from lycoris_nodes.nodes.stack import LycorisApplyStack, LycorisStack
-from lycoris_nodes.nodes.tool_save import LycorisSave, Settings, save
+from lycoris_nodes.nodes.tool_save import LycorisSave, Settings, our_injections, save
 from lycoris_nodes.nodes.weighting import LycorisBlockWeights
 from node_runner import execute
 from patcher_util import CPU
@@ -105,7 +106,7 @@ def real_file(algo: str, kwargs: dict, sd15, folder, name: str, seed: int) -> st
 
 
 @pytest.fixture(scope="module")
-def loras(sd15, tmp_path_factory):
+def loras(sd15, tmp_path_factory, one_thread):
     """A loras folder holding every file of FILES (made once for the module), listed by folder_paths."""
     folder = tmp_path_factory.mktemp("save_loras")
     with pytest.MonkeyPatch.context() as mp:
@@ -231,6 +232,8 @@ EXACT = {  # id -> (steps, forms every module must have (None: any), core loader
 def test_exact_save_reproduces_the_stack(case, sd15, loras, originals):
     steps, forms, core = EXACT[case]
     model, clip = stack(sd15, steps)
+    if any(how == "bypass" for *_, how in steps):  # the bypassed files are in the layers' forward, not the patches
+        assert our_injections(model) and our_injections(clip.patcher)
     truth = both_weights(*stack(sd15, steps, merge_bypassed=True), ALL_KEYS)
     output = f"exact_{re.sub(r'[^a-z]+', '_', case)}"
     file, text = run_save(model, clip, output)
@@ -297,7 +300,10 @@ def test_stack_node_sources_in_order(sd15, loras):
 
 # --- lora mode -------------------------------------------------------------------------------------------------------
 
-LORA_STEPS = [("loha.safetensors", 1.0, 1.0, "merge"), ("full.safetensors", 0.5, 0.5, "merge")]
+# LoHa + LoCon: factored on every layer (the SVD of the factors); the full diff on the text encoder only (a dense
+# SVD, and biases, which have no LoRA form)
+LORA_STEPS = [("loha.safetensors", 1.0, 1.0, "merge"), ("locon_a.safetensors", 0.5, 0.5, "merge"),
+              ("full.safetensors", 0.5, 0.5, "blocks:default=0; te=1")]
 
 
 @pytest.fixture(scope="module")
@@ -318,24 +324,28 @@ def test_lora_mode_reports_the_error_it_makes_and_it_falls_with_rank(dtype, sd15
                                                                      comfy_names):
     model, clip, truth = lora_stack
     reported = {}
-    for rank in (2, 12):
-        file, text = run_save(model, clip, f"lora_mode_r{rank}_{dtype}", mode="lora", rank=rank, dtype=dtype)
-        records = modules_of(loras / file)
-        weights = {k: r for k, r in records.items() if not k.endswith(".bias")}
-        assert {r["form"] for r in weights.values()} == {"lora"} and {r["rank"] for r in weights.values()} == {rank}
-        biases = {k: r for k, r in records.items() if k.endswith(".bias")}
-        assert biases and all(r["form"] == "full" for r in biases.values())
-        assert f"{len(biases)} biases/norm weights have no LoRA form" in text
+    for rank in (2, 12) if dtype == "fp32" else (3,):
+        # called directly: the report keeps full precision (the metadata rounds errors to 3 digits)
+        report = save(model, clip, f"lora_mode_r{rank}_{dtype}", Settings("lora", rank, 0.0, dtype))
+        file, records = report.file, modules_of(loras / report.file)
+        weights = {k: r for k, r in report.modules.items() if not k.endswith(".bias")}
+        assert {r.form for r in weights.values()} == {"lora"} and {r.rank for r in weights.values()} == {rank}
+        assert {k: (r.form, r.rank, float(f"{r.error:.3g}")) for k, r in report.modules.items()} == \
+            {k: (r["form"], r["rank"], r["error"]) for k, r in records.items()}
+        biases = {k: r for k, r in report.modules.items() if k.endswith(".bias")}
+        assert biases and all(r.form == "full" for r in biases.values())
+        assert f"{len(biases)} biases/norm weights have no LoRA form" in report.text()
         measured = measured_errors(sd15, loras, file, truth, originals, comfy_names)
         assert set(measured) == set(weights)
         for name, error in measured.items():
-            assert weights[name]["error"] == pytest.approx(error, rel=2e-3, abs=1e-6), name
-        reported[rank] = {k: r["error"] for k, r in weights.items()}
+            assert weights[name].error == pytest.approx(error, rel=1e-4, abs=1e-6), name
+        reported[rank] = {k: r.error for k, r in weights.items()}
         if rank == 2 and dtype == "fp32":  # the core loader reads it the same way
             core = both_weights(*reloaded(sd15, loras, file, core=True), ALL_KEYS)
             ours = both_weights(*reloaded(sd15, loras, file), ALL_KEYS)
             assert max(relative_errors(core, ours, originals).values()) <= 1e-5
-    assert all(reported[12][k] < reported[2][k] for k in reported[2]), reported
+    if dtype == "fp32":
+        assert all(reported[12][k] < reported[2][k] for k in reported[2]), reported
 
 
 def test_lora_mode_error_target_picks_the_smallest_rank(sd15, loras, lora_stack, originals, comfy_names):
@@ -347,12 +357,12 @@ def test_lora_mode_error_target_picks_the_smallest_rank(sd15, loras, lora_stack,
         if name.endswith(".bias"):
             continue
         key = comfy_names[name]
-        change = (truth[key] - originals[key]).reshape(truth[key].shape[0], -1).numpy()
-        s = np.linalg.svd(change, compute_uv=False)
-        tail = np.sqrt(np.maximum(np.sum(s ** 2) - np.cumsum(s ** 2), 0)) / np.linalg.norm(change)
+        change = (truth[key] - originals[key]).reshape(truth[key].shape[0], -1)
+        s = torch.linalg.svdvals(change).numpy()  # float64, one thread (numpy's BLAS would take every core)
+        tail = np.sqrt(np.maximum(np.sum(s ** 2) - np.cumsum(s ** 2), 0)) / float(change.norm())
         expected = min(int(np.argmax(tail <= target)) + 1 if (tail <= target).any() else 64, 64)
         assert record["rank"] == expected, name
-        assert record["error"] == pytest.approx(tail[expected - 1], rel=1e-3, abs=1e-6), name
+        assert record["error"] == pytest.approx(tail[expected - 1], rel=5e-3, abs=1e-6), name  # 3 digits kept
         assert record["error"] <= target or record["rank"] == 64
     assert any(r["rank"] < 64 for k, r in records.items() if not k.endswith(".bias"))  # the target chose
 
@@ -419,7 +429,8 @@ def test_command_line(loras, tmp_path, capsys):
                "--base-directory", str(base), "--cpu", "save", "--checkpoint", str(checkpoint),
                "--lora", "locon_a.safetensors:0.7", "--lora", "loha.safetensors:0.5:0.25",
                "--block-weights", "output_blocks=0", "--dtype", "fp32", "-o", "cli/saved"]
-    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=240)
+    one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny tensors: thread hand-offs cost more than the maths
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=240, env=one_thread)
     assert done.returncode == 0, done.stderr[-3000:]
     written = base / "models" / "loras" / "cli" / "saved.safetensors"
     assert "Save LyCORIS: cli/saved.safetensors" in done.stdout

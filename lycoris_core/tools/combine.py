@@ -32,7 +32,15 @@ from . import lowrank
 from .changes import factored_change, is_factored
 from .metadata import ModuleRecord
 
-KEPT_TOLERANCE = 1e-5  # fp32 relative error above which a kept module is not what the chain did (then it is refit)
+# fp32 relative error above which a kept or concatenated module is not what the chain did (then the next form)
+KEPT_TOLERANCE = 1e-5
+FP32_STEP = 2.0 ** -23  # ΔW = W − W₀ in fp32 carries up to ~this much of ‖W₀‖ in rounding
+
+
+def tolerance(delta: torch.Tensor, w0: torch.Tensor) -> float:
+    """How far an exact form may read back from ΔW: KEPT_TOLERANCE plus the fp32 rounding ΔW itself carries, which
+    is relative to ‖W₀‖ (a small change to a large weight)."""
+    return KEPT_TOLERANCE + 4 * FP32_STEP * float(w0.double().norm()) / max(float(delta.double().norm()), 1e-30)
 PROBE_PREFIX = "m"  # the module name tensors are parsed back under
 
 
@@ -112,7 +120,7 @@ def _kept(entry: Entry, delta: torch.Tensor, w0: torch.Tensor, param: str, dtype
     """The module's own tensors, when they read back as the chain's change (checked in fp32 first: a layout whose
     scale alpha cannot restore, or tensors the parser reads otherwise, fall through to another form)."""
     tensors = kept_tensors(entry)
-    if lowrank.stored_error(delta, reproduced(tensors, w0, param)) > KEPT_TOLERANCE:
+    if lowrank.stored_error(delta, reproduced(tensors, w0, param)) > tolerance(delta, w0):
         return None
     written = _measured("kept", entry.plan.layout.rank, _rounded(tensors, dtype), delta, w0, param)
     return Written(written.tensors, ModuleRecord(f"kept {entry.plan.label}", written.record.rank,
@@ -126,10 +134,12 @@ def is_concatenable(entries: list[Entry] | None, param: str) -> bool:
             and all(is_factored(e.plan) for e in entries))
 
 
-def concatenated(entries: list[Entry], w0: torch.Tensor) -> lowrank.Factors:
-    """Σ mᵢ·Aᵢ@Bᵢ as one Factors of the whole weight (flattened), each A placed in its rows. A module whose change
-    reads the weight gets the weight as the modules before it left it."""
+def concatenated(entries: list[Entry], w0: torch.Tensor) -> lowrank.Factors | None:
+    """Σ mᵢ·Aᵢ@Bᵢ as one Factors of the whole weight (flattened), each A placed in its rows; None when a module's
+    factors do not have its target's shape (a form that knows only the fused weight's). A module whose change reads
+    the weight gets the weight as the modules before it left it."""
     device, out = w0.device, w0.shape[0]
+    flat_in = math.prod(w0.shape[1:])
     reads = any(reads_weight(e.plan) for e in entries)
     current = w0.float().clone() if reads else None
     parts = []
@@ -137,6 +147,9 @@ def concatenated(entries: list[Entry], w0: torch.Tensor) -> lowrank.Factors:
         before = None if current is None else _rows(current, entry.rows)
         part = factored_change(entry.plan, entry.tensors, entry.strength, before, device)
         up = part.up
+        rows = out if entry.rows is None else entry.rows[1]
+        if up.shape[0] != rows or part.down.numel() != part.down.shape[0] * flat_in:
+            return None
         if entry.rows is not None:
             up = torch.zeros(out, up.shape[1], device=device, dtype=up.dtype)
             up[entry.rows[0]:entry.rows[0] + entry.rows[1]] = part.up
@@ -176,9 +189,10 @@ def exact_module(entries: list[Entry] | None, delta: torch.Tensor, w0: torch.Ten
             return kept
     if is_concatenable(entries, param) and delta.ndim >= 2:
         factors = concatenated(entries, w0)
-        rank = factors.up.shape[1]
-        if is_smaller_than_diff(rank, tuple(delta.shape)):
-            return _measured("lora", rank, lora_tensors(factors, tuple(delta.shape), dtype), delta, w0, param)
+        if factors is not None and is_smaller_than_diff(factors.up.shape[1], tuple(delta.shape)):
+            tensors = lora_tensors(factors, tuple(delta.shape), torch.float32)
+            if lowrank.stored_error(delta, reproduced(tensors, w0, param)) <= tolerance(delta, w0):
+                return _measured("lora", factors.up.shape[1], _rounded(tensors, dtype), delta, w0, param)
     return full_module(delta, w0, param, dtype)
 
 
@@ -199,6 +213,8 @@ def lora_module(delta: torch.Tensor, factors: lowrank.Factors | None, w0: torch.
     full diff for a bias or a 1-D weight."""
     if param == "bias" or delta.ndim < 2:
         return full_module(delta, w0, param, dtype)
+    if factors is not None and factors.up.shape[1] >= min(factors.shape):
+        factors = None  # an inner size beyond the matrix's own: the factored SVD is exact but no cheaper
     spec = lowrank.spectrum(factors if factors is not None else delta,
                             fixed_rank=max_rank if max_error <= 0 else None)
     rank = chosen_rank(spec, max_rank, max_error)
