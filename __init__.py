@@ -4,7 +4,7 @@ import sys
 
 from comfy_api.latest import ComfyExtension, io
 
-from .nodes import info, loaders, routes, schedule, stack, weighting
+from .nodes import info, loaders, routes, schedule, stack, tool_convert, tool_extract, tool_resize, tool_save, weighting
 
 WEB_DIRECTORY = "./web"
 
@@ -17,7 +17,8 @@ if _server is not None:
 
 class LycorisExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [*loaders.NODES, info.LycorisInfo, *weighting.NODES, *stack.NODES, *schedule.NODES]
+        return [*loaders.NODES, info.LycorisInfo, *weighting.NODES, *stack.NODES, *schedule.NODES,
+                *tool_save.NODES, *tool_resize.NODES, *tool_extract.NODES, *tool_convert.NODES]
 
 
 async def comfy_entrypoint() -> LycorisExtension:

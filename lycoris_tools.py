@@ -55,7 +55,7 @@ def import_pack():
 
 
 def bootstrap_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # `--base` is not `--base-directory`
     parser.add_argument("--comfyui", help="the ComfyUI folder (default: the one this pack is installed in)")
     parser.add_argument("--base-directory", help="ComfyUI's --base-directory (models, input, output folders)")
     parser.add_argument("--extra-model-paths-config", action="append", help="ComfyUI's extra_model_paths.yaml")

@@ -20,7 +20,7 @@ COMMANDS = {
 
 
 def parser(parent: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="lycoris_tools.py", parents=[parent],
+    top = argparse.ArgumentParser(prog="lycoris_tools.py", parents=[parent], allow_abbrev=False,
                                   description="LyCORIS Nodes' tools: save a weighted stack, resize, extract, convert.")
     commands = top.add_subparsers(dest="command", required=True)
     for command, module_name in COMMANDS.items():

@@ -141,7 +141,9 @@ class ToolReport:
 
 # The name styles a written module may take, most widely read first: kohya's (every LoRA tool and ComfyUI's core
 # loader), then ComfyUI's generic names (every weight of every model, any loader built on ComfyUI's key maps).
-NAME_PREFERENCE = ("lora_unet_", "lora_te1_", "lora_te2_", "lora_te3_", "lora_te_", "lora_prior_unet_",
+# SD1.x's single text encoder is `lora_te_` for kohya's scripts and A1111 (`lora_te1_` is SDXL's first encoder; SDXL's
+# key map has no `lora_te_` names, so it keeps te1/te2).
+NAME_PREFERENCE = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "lora_prior_unet_",
                    "diffusion_model.", "text_encoders.")
 
 
