@@ -343,3 +343,54 @@ def test_cli_resizes_a_file(sd15, twin, tmp_path):  # noqa: F811
                for k in keys_of(lora_dir / "small.safetensors"))
     assert max(m.layout.rank for m in written.modules.values()) <= 2 or any(
         "lora_mid.weight" in m.tensors for m in written.modules.values())
+
+
+# --- PEFT formats -------------------------------------------------------------------------------------------------------
+
+def peft_configs():
+    from peft import BOFTConfig, IA3Config, LoraConfig, OFTConfig
+
+    targets = ["lin", "conv"]
+    return {
+        "lora": LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=targets),
+        "oft": OFTConfig(r=0, oft_block_size=8, init_weights=False, target_modules=targets),
+        "boft": BOFTConfig(boft_block_size=4, init_weights=False, target_modules=targets),
+        "ia3": IA3Config(init_ia3_weights=False, target_modules=targets, feedforward_modules=["conv"]),
+    }
+
+
+@pytest.mark.parametrize("kind", ["lora", "oft", "boft", "ia3"])
+def test_peft_files_resize_to_peft_merge(kind, tmp_path, one_thread):
+    """A PEFT adapter (save_pretrained) on a Linear and a 3×3 Conv: at full rank, the written LoRA/LoCon (and bias
+    diffs) reloaded by our loader give PEFT's own merge_and_unload within 1e-4 of the change."""
+    from peft import get_peft_model
+
+    torch.manual_seed(len(kind))
+    base = torch.nn.Sequential()
+    base.add_module("lin", torch.nn.Linear(32, 48))
+    base.add_module("conv", torch.nn.Conv2d(16, 32, 3))
+    before = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    model = get_peft_model(base, peft_configs()[kind])
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # move PEFT's OFT/BOFT/(IA)3 away from their identity start
+            if param.requires_grad:
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(tmp_path / "peft")
+    merged = {k: v.detach() for k, v in model.merge_and_unload().state_dict().items()}
+    lfile = load(tmp_path / "peft" / "adapter_model.safetensors")
+    bases = {key: resize.Base(tuple(before[key.removeprefix("base_model.model.")].shape),
+                              before[key.removeprefix("base_model.model.")]) for key in lfile.modules}
+    result = resize.resize_file(lfile, bases, resize.Settings(RankRule("fixed", 4096), torch.float32), CPU)
+    write(result, tmp_path / "out.safetensors")
+    written = load(tmp_path / "out.safetensors")
+    assert {m.algorithm.name for m in written.modules.values() if m.param == "weight"} == {"locon"}
+    changed = [k for k in before if not torch.equal(merged[k], before[k])]
+    assert changed and set(changed) <= {key.removeprefix("base_model.model.") for key in lfile.modules}
+    got = reloaded_changes(tmp_path / "out.safetensors", bases)
+    for key, change in got.items():
+        name = key.removeprefix("base_model.model.")
+        truth = merged[name].float() - before[name].float()
+        if float(truth.norm()) == 0:
+            assert float(change.norm()) <= 1e-6, key
+            continue
+        assert relative(change, truth) <= EXACT, f"{key}: {relative(change, truth):.2e}"
