@@ -34,7 +34,8 @@ class Side:
 
     def __init__(self, label: str, tuned, base, is_clip: bool, base_name: str, config=None):
         self.label, self.tuned, self.base = label, tuned, base
-        names = tools_common.file_names(lora_key_map(tuned.model, is_clip))
+        names = {k: n for k, n in tools_common.file_names(lora_key_map(tuned.model, is_clip)).items()
+                 if k.endswith(".weight")}  # a bias goes with its weight's module, as diff_b
         tuned_sd = tuned.model.state_dict()
         self.dropped = sorted(k for k in names if is_clip and k in tuned_sd and not_saved_text_weight(config, k, tuned_sd))
         names = {k: n for k, n in names.items() if k not in self.dropped}

@@ -176,8 +176,13 @@ def test_bad_rules_are_refused():
 
 # --- The node on the tiny SD1.5 ------------------------------------------------------------------------------------
 
-LAYERS = ("unet.input_blocks.0.0", "unet.input_blocks.1.1.transformer_blocks.0.attn1.to_q",
-          "unet.input_blocks.1.1.proj_in", "te.text_model.encoder.layers.0.self_attn.q_proj")
+NAMES = {  # layer -> the module name written for it (kohya's, as ComfyUI's key map names it)
+    "unet.input_blocks.0.0": "lora_unet_conv_in",
+    "unet.input_blocks.1.1.transformer_blocks.0.attn1.to_q": "lora_unet_input_blocks_1_1_transformer_blocks_0_attn1_to_q",
+    "unet.input_blocks.1.1.proj_in": "lora_unet_input_blocks_1_1_proj_in",
+    "te.text_model.encoder.layers.0.self_attn.q_proj": "lora_te1_text_model_encoder_layers_0_self_attn_q_proj",
+}
+LAYERS = tuple(NAMES)
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +258,36 @@ def test_node_counts_patches_of_any_loader(sd15, loras, locon_file, how):
     assert ": 10 modules, largest relative error " in first and float(first.rsplit(" ", 1)[1]) < 1e-5, report
 
 
+def test_node_lokr_and_bias_load_alike_in_both_loaders(sd15, loras, tuned):
+    """LoKr output with a bias change (added to the tuned MODEL through ComfyUI's own add_patches, a "diff" on the
+    bias): our loader and ComfyUI's core loader give the same weights, within the reported error of the tuned ones,
+    and the bias exactly."""
+    model, _clip = sd15
+    bias_key = "diffusion_model.input_blocks.1.1.proj_in.bias"
+    bias_change = seeded(*model.model.state_dict()[bias_key].shape, seed=30) * 0.01
+    patched = tuned[0].clone()
+    patched.add_patches({bias_key: ("diff", (bias_change,))}, 1.0)
+    file, report = execute(LycorisExtract, model=patched, model_base=model, mode="fixed", mode_param=4.0,
+                           max_rank=0, algo="lokr", skip_below=0.0, save_dtype="fp32", output_name="lokr").result
+    with safe_open(str(loras / file), "pt") as f:
+        keys = list(f.keys())
+        recorded = json.loads(f.metadata()["lycoris_nodes.modules"])
+    assert any(k.endswith(".lokr_w1") for k in keys) and "lora_unet_input_blocks_1_1_proj_in.diff_b" in keys
+    assert not [k for k in keys if ".bias." in k]  # the bias only as its weight's diff_b, never a module of its own
+    assert "nearest Kronecker product" in report
+    ours = execute(LycorisLoader, model=model, clip=_clip, lycoris_name=file, strength_model=1.0,
+                   strength_clip=0.0).result[0]
+    core = comfy_nodes.LoraLoader().load_lora(model, None, file, 1.0, 0.0)[0]
+    for layer in LAYERS[:3]:
+        key = model_key(layer)
+        assert torch.allclose(patched_weight(ours, key, CPU), patched_weight(core, key, CPU), rtol=1e-5, atol=1e-6)
+        assert_reproduces({"model": ours}, {"model": patched}, {"model": model}, [key],
+                          recorded[NAMES[layer]]["error"] * 1.001 + 1e-6)
+    for loaded in (ours, core):
+        got = patched_weight(loaded, bias_key, CPU) - patched_weight(model, bias_key, CPU)
+        assert torch.allclose(got, bias_change, atol=1e-7)
+
+
 def test_node_model_and_checkpoint_lower_rank_within_reported_error(sd15, loras, tuned, tmp_path, monkeypatch):
     """Base as the checkpoint file; rank 2 of rank-4 changes in fp16, skip_below listing what it skipped: each
     written module reproduces the tuned weight within its reported error (plus fp16 rounding of the model's own)."""
@@ -276,10 +311,10 @@ def test_node_model_and_checkpoint_lower_rank_within_reported_error(sd15, loras,
     assert report.count("not written:") >= 2 and "below skip_below" in report
     ours = execute(LycorisLoader, model=model, clip=clip, lycoris_name=file, strength_model=1.0,
                    strength_clip=1.0).result
-    written = [k for k in keys if changes[k] >= threshold]
+    written = [(layer, model_key(layer)) for layer in LAYERS if changes[model_key(layer)] >= threshold]
     assert written and len(lfile.modules) == len(recorded)
-    for key in written:
-        name = next(n for n in recorded if n.endswith(key.split(".", 1)[1].rsplit(".", 1)[0].replace(".", "_")))
+    for layer, key in written:
+        name = NAMES[layer]
         assert_reproduces(patchers(*ours), patchers(*tuned), base, [key], recorded[name]["error"] * 1.01 + 2e-3)
         assert recorded[name]["rank"] == 2 and recorded[name]["error"] > 1e-3  # rank 2 of a rank-4 change
 
