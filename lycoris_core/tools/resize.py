@@ -103,17 +103,17 @@ def _measured(change: "Factors | torch.Tensor", t: dict[str, torch.Tensor], shap
 def resize_weight(change: "Factors | torch.Tensor", shape: tuple[int, ...], settings: Settings) -> Resized:
     """A weight change (Factors of the flattened shape, or dense in `shape`) as LoRA/LoCon (or LoCon Tucker)."""
     flat = (shape[0], math.prod(shape[1:]))
-    use_tucker = settings.tucker and tucker.has_kernel(shape)
-    if isinstance(change, Factors) and (change.up.shape[1] >= min(flat) or use_tucker):
-        change = change.dense()  # no cheaper than the dense SVD (or Tucker needs it anyway)
+    if isinstance(change, Factors) and change.up.shape[1] >= min(flat):
+        change = change.dense()  # no cheaper than the dense SVD
     rule = settings.rule
     spec = spectrum(change, int(rule.value) if rule.mode == "fixed" else None)
     rank = choose_rank(spec.s, rule)
     low = lora_tensors(spec, rank, shape, settings.dtype)
     error = _measured(change, low.tensors, shape)
     best = Resized(low.tensors, ModuleRecord("locon" if len(shape) > 2 else "lora", rank, error))
-    if use_tucker:
-        best = _tucker_if_it_pays(change.reshape(shape), shape, best, settings.dtype)
+    if settings.tucker and tucker.has_kernel(shape):
+        dense = change.dense() if isinstance(change, Factors) else change
+        best = _tucker_if_it_pays(dense.reshape(shape), shape, best, settings.dtype)
     return best
 
 
