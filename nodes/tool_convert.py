@@ -118,6 +118,27 @@ def plan_modules(lfile: LycorisFile, model, clip, target: str) -> tuple[list[Pla
     return planned, refused
 
 
+def _component(name: str) -> str:
+    found = convert.component_path(name)
+    return found[0] if found else ""
+
+
+def complete_dora(planned: list[Planned], model, clip) -> list[Planned]:
+    """diffusers: in a component where some modules carry DoRA, PEFT applies DoRA to all (one `use_dora` per
+    config); the others get the magnitude that leaves their change a plain LoRA's (convert.with_identity_magnitude)."""
+    with_dora = {_component(p.name) for p in planned if convert.PEFT_MAGNITUDE in p.converted.tensors}
+    done = []
+    for p in planned:
+        if _component(p.name) in with_dora and convert.PEFT_MAGNITUDE not in p.converted.tensors:
+            weight = weight_of(p.applied, model, clip)
+            change = module_change(p.applied.plan, p.applied.module.tensors, 1.0, weight, device())
+            p = Planned(p.source_key, p.name,
+                        convert.with_identity_magnitude(p.converted, change, weight, tuple(p.applied.target.shape)),
+                        p.applied)
+        done.append(p)
+    return done
+
+
 def _name_problem(applied: Applied, names: dict[str, str], target: str) -> str | None:
     style = "kohya" if target == convert.KOHYA else "diffusers/PEFT"
     if applied.target.offset is not None:
@@ -141,14 +162,28 @@ def _peft_metadata(planned: list[Planned]) -> dict[str, str]:
     return convert.peft_metadata({p.name: p.converted for p in planned})
 
 
+@dataclass(frozen=True)
+class Difference:
+    """How far a written module's change is from the source's: relative to the change, and to the weight."""
+
+    of_change: float
+    of_weight: float
+    dora: bool  # either side normalises by ‖W + ΔW‖ (LyCORIS with ε = finfo.eps, PEFT without)
+
+    def exact(self) -> bool:
+        """Within fp32 rounding. DoRA's ε in the norm (LyCORIS', our loader's; PEFT has none) moves W' by
+        ε·‖W'‖ ≈ 1e-7 of the weight, whatever the change's size: for DoRA, that is the yardstick."""
+        return self.of_change <= EXACT or (self.dora and self.of_weight <= EXACT)
+
+
 def differences(planned: list[Planned], tensors: dict, metadata: dict, model, clip, name: str
-                ) -> dict[str, float | str]:
-    """Source module key -> relative difference of the written module's change (read back by our own parser and
-    maths, placed by the key map) from the source module's; a string when it does not read back to that weight."""
+                ) -> dict[str, Difference | str]:
+    """Source module key -> how far the written module's change (read back by our own parser and maths, placed by
+    the key map) is from the source module's; a string when it does not read back to that weight."""
     parsed = parse_state_dict(tensors, name, metadata)
     _p, mapped = map_file(parsed, model, clip, reference=False)
     by_name = {(a.module.prefix, a.module.param): a for a in mapped.targets.values()}
-    found = {}
+    found: dict[str, Difference | str] = {}
     for p in planned:
         back = by_name.get((p.name, p.applied.module.param))
         if back is None or back.target.key != p.applied.target.key:
@@ -157,7 +192,11 @@ def differences(planned: list[Planned], tensors: dict, metadata: dict, model, cl
         weight = weight_of(p.applied, model, clip)
         source = module_change(p.applied.plan, p.applied.module.tensors, 1.0, weight, device())
         written = module_change(back.plan, back.module.tensors, 1.0, weight, device())
-        found[p.source_key] = convert.relative_difference(source, written)
+        of_change = convert.relative_difference(source, written)
+        weight_norm = float(weight.double().norm())
+        of_weight = of_change * convert.change_norm(source) / weight_norm if weight_norm > 0 else of_change
+        found[p.source_key] = Difference(of_change, of_weight,
+                                         p.applied.plan.dora_axis is not None or back.plan.dora_axis is not None)
     return found
 
 
@@ -169,8 +208,8 @@ def _checked(planned: list[Planned], model, clip, target: str, name: str) -> tup
     kept, refused = [], []
     for p in planned:
         difference = found[p.source_key]
-        if isinstance(difference, str) or difference > EXACT:
-            detail = difference if isinstance(difference, str) else f"relative difference {difference:.2e}"
+        if isinstance(difference, str) or not difference.exact():
+            detail = difference if isinstance(difference, str) else f"relative difference {difference.of_change:.2e}"
             refused.append((p.source_key, f"the converted module does not reproduce the change ({detail})"))
         else:
             kept.append(p)
@@ -193,6 +232,8 @@ def conversion(lfile: LycorisFile, model, clip, target: str, on_unconvertible: s
     if dtype_name not in DTYPES:
         raise LycorisError(f"unknown save dtype '{dtype_name}' ({', '.join(DTYPES)})")
     planned, refused = plan_modules(lfile, model, clip, target)
+    if target == convert.DIFFUSERS:
+        planned = complete_dora(planned, model, clip)
     planned, failed = _checked(planned, model, clip, target, lfile.name)
     refused += failed
     if refused and on_unconvertible == ERROR:
@@ -205,12 +246,15 @@ def conversion(lfile: LycorisFile, model, clip, target: str, on_unconvertible: s
     tensors = _output_tensors(planned, DTYPES[dtype_name])
     stored = _peft_metadata(planned) if target == convert.DIFFUSERS else {}
     errors = differences(planned, tensors, stored, model, clip, lfile.name)
-    records = {p.name: ModuleRecord(p.converted.form, p.converted.rank,
-                                    errors[p.source_key] if isinstance(errors[p.source_key], float) else 1.0)
+    records = {p.name: ModuleRecord(p.converted.form, p.converted.rank, _recorded(errors[p.source_key]))
                for p in planned}
     metadata = _metadata(lfile, model, target, title, records, refused, stored)
     report = ToolReport(TOOL, modules=records, not_written=refused, notes=_notes(planned, target, dtype_name))
     return Conversion(tensors, metadata, report)
+
+
+def _recorded(difference: "Difference | str") -> float:
+    return 1.0 if isinstance(difference, str) else difference.of_change
 
 
 def _notes(planned: list[Planned], target: str, dtype_name: str) -> list[str]:
@@ -221,6 +265,9 @@ def _notes(planned: list[Planned], target: str, dtype_name: str) -> list[str]:
     if target == convert.KOHYA and any("dora" in f for f in forms):
         notes.append("DoRA is written as LyCORIS' out-axis dora_scale: our loader reads it exactly; ComfyUI's core "
                      "loader normalises the out-axis by W instead of W + dW and differs")
+    if any("unchanged" in f for f in forms):
+        notes.append("PEFT's use_dora covers a whole component: its plain LoRA modules carry the magnitude "
+                     "norm(W + dW), which leaves them plain (within DoRA's epsilon, about 1e-7 of W)")
     if dtype_name != "keep":
         notes.append(f"saved in {dtype_name}: the error per module is that rounding")
     return notes

@@ -172,6 +172,17 @@ def to_peft(module: Module, plan: Plan, shape: tuple[int, ...], weight: torch.Te
                      rank, float(rank), f"lora of rank {rank} (exact form of {module.label})")
 
 
+def with_identity_magnitude(converted: Converted, change: "Factors | torch.Tensor", weight: torch.Tensor,
+                            shape: tuple[int, ...]) -> Converted:
+    """A plain LoRA as a DoRA that changes nothing more: PEFT's `use_dora` covers a whole component, so a LoRA
+    beside DoRA modules gets the magnitude m = ‖V‖ per output row (V = W + ΔW), and m ⊙ V / ‖V‖ = V."""
+    dense = change.dense() if isinstance(change, Factors) else change
+    v = weight.to(dense.device, torch.float32).reshape(shape[0], -1) + dense.reshape(shape[0], -1)
+    magnitude = peft_magnitude(v.norm(dim=1).cpu(), shape)
+    return Converted({**converted.tensors, PEFT_MAGNITUDE: magnitude}, converted.rank, converted.alpha,
+                     converted.form + "+dora (magnitude = norm of W + dW: unchanged)")
+
+
 def to_kohya(module: Module, plan: Plan, shape: tuple[int, ...]) -> Converted | str:
     """The module under kohya/LyCORIS suffixes, or the reason it has none. LyCORIS' own algorithms keep their
     tensors; a PEFT LoRA gets its scale as alpha = s·r and its magnitude as an out-axis dora_scale (out, 1…)."""
@@ -247,6 +258,13 @@ def _frobenius_sq(f: Factors) -> float:
     """‖A B‖²_F = trace((AᵀA)(BBᵀ)): r×r products, nothing of the weight's size."""
     up, down = f.up.double(), f.down.double()
     return float(((up.T @ up) * (down @ down.T)).sum())
+
+
+def change_norm(change: "Factors | torch.Tensor") -> float:
+    """‖ΔW‖_F of a change in either form."""
+    if isinstance(change, Factors):
+        return max(_frobenius_sq(change), 0.0) ** 0.5
+    return float(change.double().norm())
 
 
 def relative_difference(source: "Factors | torch.Tensor", converted: "Factors | torch.Tensor") -> float:
