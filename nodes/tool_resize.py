@@ -19,12 +19,14 @@ from .apply import map_file, model_family
 from .cache import load_cached
 from .loaders import fingerprint_by_file, lycoris_input, lycoris_path
 from .report import _weight_fp32
-from .tool_save import DTYPES, input_path
 from .tools_common import (
     CATEGORY,
+    DTYPES,
     Progress,
     ToolReport,
     device,
+    dtype_input,
+    input_path,
     output_name_input,
     output_path,
     overwrite_input,
@@ -133,8 +135,7 @@ class LycorisResize(io.ComfyNode):
                                      "keeps that). Other rules: the largest rank they may pick."),
                 io.Float.Input("value", default=0.9, min=0.0, max=1000.0, step=0.001,
                                tooltip="The dynamic rule's value (see 'rule'); unused by 'fixed'."),
-                io.Combo.Input("dtype", options=list(DTYPES), default="fp16",
-                               tooltip="The file's tensor dtype. The reported error is measured after rounding."),
+                dtype_input("fp16"),
                 io.Boolean.Input("tucker", default=True, optional=True,
                                  tooltip="Convs with a kernel (3×3…): write LoCon's Tucker form (lora_mid) where it "
                                          "has fewer parameters for no larger error than the plain LoCon."),
