@@ -244,8 +244,9 @@ def sources(model, clip, has_foreign: bool) -> list[dict]:
 
 
 def network_of(modules: dict[str, ModuleRecord]) -> tuple[str, str]:
-    """(ss_network_module, algo): plain LoRA readers' values when every module is a LoRA."""
-    forms = {record.form.split(" ")[0] for record in modules.values()}
+    """(ss_network_module, algo): plain LoRA readers' values when every weight module is a LoRA (bias diffs ride
+    along: ComfyUI's core loader and LyCORIS read `diff_b`)."""
+    forms = {record.form.split(" ")[0] for key, record in modules.items() if not key.endswith(".bias")}
     if forms == {"lora"}:
         return "networks.lora", "lora"
     return "lycoris.kohya", "full" if forms == {"full"} else "mixed"
@@ -307,7 +308,7 @@ class LycorisSave(io.ComfyNode):
                 io.Int.Input("rank", default=32, min=1, max=4096,
                              tooltip="'lora' mode: the largest rank a module gets."),
                 io.Float.Input("max_error", default=0.0, min=0.0, max=1.0, step=0.001,
-                               tooltip="'lora' mode: the relative error to reach (‖ΔW − LoRA‖/‖ΔW‖): each module "
+                               tooltip="'lora' mode: the relative error to reach (|dW - LoRA| / |dW|): each module "
                                        "gets the smallest rank that reaches it, at most 'rank'. 0: always 'rank'."),
                 io.Combo.Input("dtype", options=list(DTYPES), default="fp16",
                                tooltip="The file's tensor dtype. The reported error is measured after rounding."),

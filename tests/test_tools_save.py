@@ -334,6 +334,7 @@ def test_lora_mode_reports_the_error_it_makes_and_it_falls_with_rank(dtype, sd15
             {k: (r["form"], r["rank"], r["error"]) for k, r in records.items()}
         biases = {k: r for k, r in report.modules.items() if k.endswith(".bias")}
         assert biases and all(r.form == "full" for r in biases.values())
+        assert metadata(loras / file)["ss_network_module"] == "networks.lora"  # bias diffs ride along
         assert f"{len(biases)} biases/norm weights have no LoRA form" in report.text()
         measured = measured_errors(sd15, loras, file, truth, originals, comfy_names)
         assert set(measured) == set(weights)
@@ -446,3 +447,57 @@ def test_command_line(loras, tmp_path, capsys):
     code = lycoris_tools_cli.main(["save", "--checkpoint", str(checkpoint), "--lora", "locon_a.safetensors",
                                    "-o", "cli_refused/../../outside"], lycoris_tools.bootstrap_parser())
     assert code == 2 and "inside the loras folder" in capsys.readouterr().err
+
+
+# --- fused weights: modules on row windows ---------------------------------------------------------------------------
+
+def test_modules_on_row_windows_of_a_fused_weight_concatenate_in_their_rows(tmp_path):
+    """Three lycoris-lora LoRAs made for separate q/k/v Linears, patched onto the rows of one fused qkv weight (as
+    ComfyUI maps separate q/k/v files onto Flux/SD3's fused weights): q and k merged at 0.7, v bypassed at −0.4. The
+    truth is ComfyUI's full load of the same three merged; the saved module is one LoRA of rank 3·4 whose rows
+    reproduce it."""
+    from lycoris_nodes.lycoris_core.tools.combine import reproduced
+    from lycoris_nodes.nodes.apply import patched_clone
+    from lycoris_nodes.nodes.tool_save import applied_change, base_weight, chains_of, module_for
+    from patcher_util import full_load, lycoris_patches, patcher
+
+    width = 32  # rank 12 on 96 x 32: smaller than the diff
+    separate = torch.nn.Module()
+    for name in "qkv":
+        separate.add_module(name, torch.nn.Linear(width, width, bias=False))
+    with _class_presets_restored():
+        LycorisNetwork.apply_preset({"target_module": [], "target_name": [],
+                                     "name_algo_map": {f"{n}$": {} for n in "qkv"}})
+        net = create_lycoris(separate, 1.0, warn_on_unmatched=False, algo="lora", **DIMS)
+    _randomise(net, torch.Generator().manual_seed(7))
+    net.apply_to()
+    net.save_weights(str(tmp_path / "qkv.safetensors"), torch.float32, {})
+    state = load_file(str(tmp_path / "qkv.safetensors"))
+
+    fused = torch.nn.Module()
+    fused.add_module("qkv", torch.nn.Linear(width, 3 * width, bias=False))
+    with torch.no_grad():
+        fused.qkv.weight.copy_(torch.randn(3 * width, width, generator=torch.Generator().manual_seed(3)) * 0.1)
+    key_map = {f"lycoris_{n}": ("qkv.weight", (0, i * width, width)) for i, n in enumerate("qkv")}
+    patches, report = lycoris_patches(state, fused, key_map)
+    assert len(report.applied) == 3
+    by_name = {n: {k: a for k, a in patches.items() if k[1][1] == i * width} for i, n in enumerate("qkv")}
+    base = patcher(fused)
+    w0 = fused.qkv.weight.detach().double().clone()
+    merged_q, _ = patched_clone(base, by_name["q"], 0.7)
+    merged_qk, _ = patched_clone(merged_q, by_name["k"], 0.7)
+    with_bypass, bypassed = patched_clone(merged_qk, by_name["v"], -0.4, apply_mode="bypass")
+    assert bypassed == 1
+    truth_patcher, _ = patched_clone(merged_qk, by_name["v"], -0.4)
+    full_load(truth_patcher)
+    truth = fused.qkv.weight.detach().double().clone() - w0
+    truth_patcher.unpatch_model(CPU)
+    assert all(float(truth[i * width:(i + 1) * width].norm()) > 0 for i in range(3))
+
+    (chain,) = chains_of(with_bypass).values()
+    assert len(chain.merged) == 2 and len(chain.bypassed) == 1
+    start = base_weight(with_bypass, chain.key, CPU)
+    written = module_for(chain, start, applied_change(chain, start), Settings(dtype="fp32"))
+    assert (written.record.form, written.record.rank) == ("lora", 12)
+    error = float((reproduced(written.tensors, start).double() - truth).norm() / truth.norm())
+    assert error <= 1e-6 and written.record.error <= 1e-6

@@ -34,7 +34,8 @@ from .metadata import ModuleRecord
 
 # fp32 relative error above which a kept or concatenated module is not what the chain did (then the next form)
 KEPT_TOLERANCE = 1e-5
-FP32_STEP = 2.0 ** -23  # ΔW = W − W₀ in fp32 carries up to ~this much of ‖W₀‖ in rounding
+# dW = W - W0 computed in fp32 carries up to about this much of |W0| in rounding
+FP32_STEP = 2.0 ** -23
 
 
 def tolerance(delta: torch.Tensor, w0: torch.Tensor) -> float:
