@@ -8,6 +8,7 @@ reported error."""
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -180,7 +181,7 @@ NAMES = {  # layer -> the module name written for it (kohya's, as ComfyUI's key 
     "unet.input_blocks.0.0": "lora_unet_conv_in",
     "unet.input_blocks.1.1.transformer_blocks.0.attn1.to_q": "lora_unet_input_blocks_1_1_transformer_blocks_0_attn1_to_q",
     "unet.input_blocks.1.1.proj_in": "lora_unet_input_blocks_1_1_proj_in",
-    "te.text_model.encoder.layers.0.self_attn.q_proj": "lora_te1_text_model_encoder_layers_0_self_attn_q_proj",
+    "te.text_model.encoder.layers.0.self_attn.q_proj": "lora_te_text_model_encoder_layers_0_self_attn_q_proj",
 }
 LAYERS = tuple(NAMES)
 
@@ -226,7 +227,7 @@ def test_node_model_and_model_reloads_in_both_loaders(sd15, loras, tuned):
     with safe_open(str(loras / file), "pt") as f:
         names = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in list(f.keys())}
         metadata = f.metadata()
-    assert len(names) == 10 and all(n.startswith(("lora_unet_", "lora_te")) for n in names), names
+    assert len(names) == 10 and all(n.startswith(("lora_unet_", "lora_te_")) for n in names), names
     assert "lycoris_nodes.modules" in metadata and "locon" in report and "10 modules" in report
     lfile = load(str(loras / file))
     errors = [m["error"] for m in json.loads(metadata["lycoris_nodes.modules"]).values()]
@@ -370,12 +371,13 @@ def test_cli_extracts_from_two_checkpoints(tmp_path, loras, capsys):
     command = [sys.executable, str(REPO_ROOT / "lycoris_tools.py"), "--comfyui", str(find_comfyui()),
                "--base-directory", str(tmp_path), "--cpu", "extract", "--tuned", "tuned.safetensors",
                "--base", str(source), "--rank", "3", "--dtype", "fp32", "-o", "cli_out"]
-    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+    one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the one_thread fixture: tiny SVDs on busy cores
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300, env=one_thread)
     assert done.returncode == 0, done.stderr[-3000:]
     with safe_open(str(tmp_path / "models" / "loras" / "cli_out.safetensors"), "pt") as f:
         names = {k.rsplit(".", 2)[0] for k in list(f.keys()) if k.endswith("weight")}
     assert {"lora_unet_input_blocks_1_1_transformer_blocks_0_attn1_to_q",
-            "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"} <= names, names
+            "lora_te_text_model_encoder_layers_0_self_attn_q_proj"} <= names, names
     assert "lora_unet_input_blocks_1_1_transformer_blocks_0_attn1_to_q: locon, rank 3" in done.stdout
     assert not any("text_projection" in n for n in names)  # ComfyUI never loads SD1's: garbage at each load
 
