@@ -11,13 +11,11 @@ not written.
 
 import argparse
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import comfy.lora
 import comfy.model_management
 import comfy.model_patcher
 import comfy.sd
-import folder_paths
 import torch
 from comfy.quant_ops import QuantizedTensor
 from comfy_api.latest import io
@@ -42,10 +40,13 @@ from .cache import load_cached
 from .report import unpatched_weight
 from .tools_common import (
     CATEGORY,
+    DTYPES,
     Progress,
     ToolReport,
     device,
+    dtype_input,
     file_names,
+    input_path,
     output_name_input,
     output_path,
     overwrite_input,
@@ -54,7 +55,6 @@ from .tools_common import (
 )
 
 MODES = ("exact", "lora")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 OTHER_PATCHES = "other patches"
 HOOKED = ("applied by a hook (LyCORIS Hook, scheduled strengths): it changes during sampling, so it is no fixed "
           "change of the weights")
@@ -310,8 +310,7 @@ class LycorisSave(io.ComfyNode):
                 io.Float.Input("max_error", default=0.0, min=0.0, max=1.0, step=0.001,
                                tooltip="'lora' mode: the relative error to reach (|dW - LoRA| / |dW|): each module "
                                        "gets the smallest rank that reaches it, at most 'rank'. 0: always 'rank'."),
-                io.Combo.Input("dtype", options=list(DTYPES), default="fp16",
-                               tooltip="The file's tensor dtype. The reported error is measured after rounding."),
+                dtype_input(),
                 overwrite_input(),
             ],
             outputs=report_outputs(),
@@ -343,16 +342,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp16")
     parser.add_argument("-o", "--output", required=True, help="output name in the loras folder")
     parser.add_argument("--overwrite", action="store_true")
-
-
-def input_path(folder: str, name: str) -> str:
-    """A file by its name in one of ComfyUI's folders, or by path."""
-    found = folder_paths.get_full_path(folder, name)
-    if found is not None:
-        return found
-    if Path(name).is_file():
-        return str(Path(name).resolve())
-    raise LycorisError(f"no such file in the {folder} folder, nor as a path", file=name)
 
 
 def lora_spec(text: str) -> tuple[str, float, float]:
