@@ -6,6 +6,7 @@ them as the loader maps it). Without them such modules are an error by default, 
 """
 
 import argparse
+import functools
 from collections.abc import Mapping
 
 import comfy.sd
@@ -45,17 +46,17 @@ RULE_TOOLTIP = ("How each module's rank is chosen from its singular values s1 >=
 
 
 def module_bases(lfile: LycorisFile, model, clip) -> dict[str, resize.Base]:
-    """Each module's target weight in MODEL/CLIP (mapped as the loader maps the file): its shape, and its unpatched
-    fp32 values for changes that read them."""
+    """Each module's target weight in MODEL/CLIP (mapped as the loader maps the file): its shape, and how to fetch
+    its unpatched fp32 values for changes that read them (one module at a time, when its turn comes)."""
     if model is None and clip is None:
         return {}
     _patches, report = map_file(lfile, model, clip, reference=False)
     patchers = {"model": model, "clip": None if clip is None else clip.patcher}
     bases = {}
     for key, applied in report.targets.items():
-        weight = _weight_fp32(patchers[applied.target.side], applied) if resize.needs_base(
-            applied.module, applied.plan) else None
-        bases[key] = resize.Base(tuple(applied.target.shape), weight)
+        fetch = (functools.partial(_weight_fp32, patchers[applied.target.side], applied)
+                 if resize.needs_base(applied.module, applied.plan) else None)
+        bases[key] = resize.Base(tuple(applied.target.shape), fetch=fetch)
     return bases
 
 

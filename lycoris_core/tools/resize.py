@@ -139,10 +139,20 @@ def full_diff(change: torch.Tensor, suffix: str, dtype: torch.dtype) -> Resized:
 @dataclass(frozen=True)
 class Base:
     """What the base model says about one module: the target weight's shape and, for changes that read it, the
-    weight itself (fp32, the weight before this module)."""
+    weight itself (fp32, the weight before this module), given or fetched when the module's turn comes (`fetch`:
+    one weight-sized copy at a time, not a copy of the whole model)."""
 
     shape: tuple[int, ...]
     weight: torch.Tensor | None = None
+    fetch: Callable[[], torch.Tensor] | None = None
+
+    @property
+    def has_weight(self) -> bool:
+        return self.weight is not None or self.fetch is not None
+
+    def resolved(self) -> "Base":
+        """This base with its weight in hand (fetched now if it is fetched)."""
+        return Base(self.shape, self.fetch()) if self.weight is None and self.fetch is not None else self
 
 
 @dataclass
@@ -192,7 +202,7 @@ def missing_base(lfile: LycorisFile, bases: Mapping[str, Base], have_model: bool
     missing = []
     for key, module in lfile.modules.items():
         base = bases.get(key)
-        if base is not None and base.weight is not None:
+        if base is not None and base.has_weight:
             continue
         plan = module.plan_for(base.shape if base else layout_shape(module), file=lfile.name)
         if needs_base(module, plan):
@@ -216,7 +226,7 @@ def resize_file(lfile: LycorisFile, bases: Mapping[str, Base], settings: Setting
             if module.layout.shape is None and len(base.shape) == 2:
                 result.shape_from_file.append(key)
         plan = module.plan_for(base.shape, file=lfile.name)
-        resized = resize_module(module, plan, base, settings, device)
+        resized = resize_module(module, plan, base.resolved() if needs_base(module, plan) else base, settings, device)
         for suffix, tensor in resized.tensors.items():
             result.tensors[f"{module.prefix}.{suffix}"] = tensor.cpu()
         result.modules[key] = resized.record
