@@ -127,7 +127,8 @@ def extract_all(parts: list[Side], options: dict, device: torch.device
                 report.not_written.append(
                     (name, f"relative change {module.change:.2e} below skip_below {options['skip_below']:g}"))
             else:
-                tensors.update({f"{name}.{suffix}": t for suffix, t in module.tensors.items()})
+                # kept on the CPU until written: full diffs of a large model would not fit beside it on the GPU
+                tensors.update({f"{name}.{suffix}": t.to("cpu") for suffix, t in module.tensors.items()})
                 report.modules[name] = ModuleRecord(module.form, module.rank, module.error)
                 if module.fit_error is not None:
                     worst_fit = max(worst_fit or 0.0, module.fit_error)

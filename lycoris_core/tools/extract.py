@@ -31,7 +31,7 @@ to the file's dtype). `change` = ‖ΔW‖_F / ‖W₀‖_F decides `skip_below`
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -74,8 +74,7 @@ class Extracted:
     rank: int | None
     error: float
     change: float
-    fit_error: float | None = None  # LoKr: ε of the best A ⊗ B alone
-    notes: list[str] = field(default_factory=list)
+    fit_error: float | None = None  # LoKr: the relative error of the best kron(A, B) alone
 
     @property
     def written(self) -> bool:
@@ -214,7 +213,7 @@ def nearest_kronecker(delta: torch.Tensor, factor: int = -1) -> tuple[torch.Tens
     root = spec.s[0].sqrt()
     w1 = (spec.u[:, 0] * root).reshape(a, c)
     w2 = (spec.vh[0] * root).reshape(b, d, *delta.shape[2:])
-    fit = stored_error(delta, rebuild_lokr({"lokr_w1": w1, "lokr_w2": w2}, delta.shape))  # measured, not 1 − σ₁²
+    fit = stored_error(delta, rebuild_lokr({"lokr_w1": w1, "lokr_w2": w2}, delta.shape))  # measured: 1 - s1^2 / |dW|^2 cancels
     return w1, w2, fit
 
 
