@@ -53,7 +53,6 @@ CONV_TARGETS = ["down_blocks.0.resnets.0.conv1"]
 
 def lycoris_file(unet, folder, name, seed, **options) -> str:
     """A file lycoris-lora 4.1.3 writes for the diffusers UNet (its own names: `lycoris_<path>`)."""
-    base = copy.deepcopy(unet)
     preset = folder / f"{name}.preset.toml"  # LyCORIS' own way to pick layers: anchored names, no module classes
     targets = ", ".join(f'"{path}$"' for path in LINEAR_TARGETS + CONV_TARGETS)
     # per-name settings: plain LoCon on these layers; LyCORIS keeps the map class-global, so it is always set
@@ -61,11 +60,11 @@ def lycoris_file(unet, folder, name, seed, **options) -> str:
                     for path in options.pop("plain", ())) or "name_algo_map = {}\n"
     preset.write_text(f"target_module = []\ntarget_name = [{targets}]\n{plain}")
     try:
-        network = create_lycoris(base, 1.0, linear_dim=4, linear_alpha=2.0, conv_dim=4, conv_alpha=8.0,
+        network = create_lycoris(unet, 1.0, linear_dim=4, linear_alpha=2.0, conv_dim=4, conv_alpha=8.0,
                                  preset=str(preset), **options)
     finally:
         LycorisNetwork.apply_preset({"name_algo_map": {}})
-    network.apply_to()
+    network.apply_to()  # registers the modules it saves; restored below (the UNet's weights are never touched)
     torch.manual_seed(seed)
     for param_name, param in network.named_parameters():
         if "dora_scale" in param_name:  # starts at ‖W‖: move it so the file carries a magnitude change
@@ -73,6 +72,7 @@ def lycoris_file(unet, folder, name, seed, **options) -> str:
         else:
             param.data = torch.randn_like(param) * 0.05
     network.save_weights(str(folder / name), torch.float32, {})
+    network.restore()
     return name
 
 
@@ -150,8 +150,8 @@ def metadata_of(path) -> dict:
 
 LYCORIS_SOURCES = {
     "locon-tucker": {"algo": "locon", "use_tucker": True},
-    "locon-dora-out": {"algo": "locon", "dora_wd": True, "wd_on_output": True},
-    # PEFT's use_dora is per config: the plain modules of a DoRA file get the magnitude that keeps them plain
+    # out-axis DoRA (4 modules, Linear and conv) and 2 plain LoCon modules: PEFT's use_dora is one flag per
+    # config, so the plain modules get the magnitude that keeps them plain
     "locon-dora-mixed": {"algo": "locon", "dora_wd": True, "wd_on_output": True, "plain": LINEAR_TARGETS[:2]},
     "loha": {"algo": "loha"},
     "lokr": {"algo": "lokr", "factor": 8},
@@ -320,3 +320,18 @@ def test_cli_converts_with_a_checkpoint(tmp_path):
     assert keys_of(lora_dir / "one-diffusers.safetensors") == {
         "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight",
         "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_B.weight"}
+
+
+def test_save_dtype_casts_and_reports_the_rounding(sd15, twin, loras):  # noqa: F811
+    model, _clip = sd15
+    unet, _ = twin
+    name = peft_file(unet, loras, "cast.safetensors", seed=2, save_format="diffusers", r=4, lora_alpha=4,
+                     target_modules=LINEAR_TARGETS[:2])
+    written, report = convert(name, "kohya", model, "cast/bf16", save_dtype="bf16")
+    with safe_open(str(loras / written), "pt") as f:
+        dtypes = {k: f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    assert {d for k, d in dtypes.items() if not k.endswith(".alpha")} == {torch.bfloat16}
+    assert {d for k, d in dtypes.items() if k.endswith(".alpha")} == {torch.float32}  # a scale, kept exact
+    errors = [r["error"] for r in json.loads(metadata_of(loras / written)["lycoris_nodes.modules"]).values()]
+    assert all(1e-4 < e < 1e-2 for e in errors), errors  # bf16's rounding of the factors, measured and said
+    assert "saved in bf16" in report
