@@ -54,6 +54,21 @@ def reloaded_changes(path, bases) -> dict[str, torch.Tensor]:
     return truth_changes(lfile, bases)
 
 
+def comfy_changes(path, bases) -> dict[str, torch.Tensor]:
+    """The written file read by ComfyUI's core LoRA loader (comfy.lora.load_lora, then its calculate_weight on each
+    base weight): each weight's change, by our module key."""
+    import comfy.lora
+    import comfy.utils
+
+    patches = comfy.lora.load_lora(comfy.utils.load_torch_file(str(path)),
+                                   {key.rsplit(".", 1)[0]: key.rsplit(".", 1)[0] + ".weight" for key in bases})
+    out = {}
+    for key, patch in patches.items():
+        weight = bases[key].weight.float()
+        out[key] = comfy.lora.calculate_weight([(1.0, patch, 1.0, None, None)], weight.clone(), key) - weight
+    return out
+
+
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     b = b.double()
     norm = float(b.norm())
@@ -88,6 +103,12 @@ def test_full_rank_reproduces_every_variant(reference_files, weights, variant_id
         error = relative(reloaded[key], change)
         assert error <= EXACT, f"{key}: {error:.2e}"
         assert abs(result.modules[key].error - error) <= SAME, key
+    if variant_id == "locon_tucker":  # Tucker rank 4 on the 3×3 Conv2d: exact with fewer parameters (LoHa's is 16: not)
+        assert result.modules["lycoris_conv2d.weight"].form == "locon-tucker", result.modules
+    comfy = comfy_changes(tmp_path / "out.safetensors", bases)
+    assert set(comfy) == set(truth)
+    for key, change in comfy.items():  # ComfyUI's core loader reads the output (Tucker forms too) as ours does
+        assert relative(change, reloaded[key]) <= 1e-5, f"{key}: ComfyUI's core loader differs"
 
 
 @pytest.mark.parametrize("variant_id", [v.id for v in VARIANTS])

@@ -46,8 +46,10 @@ class Basis:
 
 
 def has_kernel(shape: tuple[int, ...]) -> bool:
-    """A conv weight (out, in, *k) with a kernel larger than 1: where Tucker is defined."""
-    return len(shape) > 2 and math.prod(shape[2:]) > 1
+    """A Conv2d weight (out, in, kh, kw) with a kernel larger than 1×1: where Tucker is written. Defined for any conv,
+    but ComfyUI's core LoRA loader reads lora_mid for Conv2d only (weight_adapter/lora.py builds a 4-D shape from it
+    and fails on a 3-D or 5-D one), and the output must load wherever the input did."""
+    return len(shape) == 4 and math.prod(shape[2:]) > 1
 
 
 def parameters(shape: tuple[int, ...], rank: int) -> int:
