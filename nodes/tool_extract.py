@@ -191,6 +191,7 @@ class LycorisExtract(io.ComfyNode):
             category=CATEGORY,
             description="Writes a LoCon (or LoKr) file from the difference of a tuned model and its base: each "
                         "changed weight by SVD at the chosen rank rule, with the measured relative error per module.",
+            is_output_node=True,
             inputs=[
                 io.Model.Input("model", tooltip="The tuned diffusion model (with any patches it carries applied)."),
                 io.Combo.Input("mode", options=list(MODES), default="fixed", tooltip=MODE_TOOLTIP),
@@ -207,9 +208,8 @@ class LycorisExtract(io.ComfyNode):
                 io.Float.Input("skip_below", default=0.0, min=0.0, max=10.0, step=0.0001,
                                tooltip="Weights whose relative change |W1 - W0| / |W0| is below this are not "
                                        "written (listed in the report). 0 writes every changed weight."),
-                io.Combo.Input("save_dtype", options=list(DTYPES), default="fp16",
-                               tooltip="Storage type of the written tensors (the reported error includes it)."),
-                tools_common.output_name_input("extracted"),
+                tools_common.dtype_input(),
+                tools_common.output_name_input("lycoris/extracted"),
                 io.Model.Input("model_base", optional=True,
                                tooltip="The base diffusion model. Give this or base_checkpoint, not both."),
                 io.Combo.Input("base_checkpoint", options=[NONE, *folder_paths.get_filename_list("checkpoints")],
@@ -230,10 +230,10 @@ class LycorisExtract(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, mode, mode_param, max_rank, algo, skip_below, save_dtype, output_name,
+    def execute(cls, model, mode, mode_param, max_rank, algo, skip_below, dtype, output_name,
                 model_base=None, base_checkpoint=NONE, clip=None, clip_base=None, bias=True, lokr_factor=-1,
                 overwrite=False) -> io.NodeOutput:
-        options = options_from(mode, mode_param, max_rank, algo, skip_below, save_dtype, bias, lokr_factor)
+        options = options_from(mode, mode_param, max_rank, algo, skip_below, dtype, bias, lokr_factor)
         check_output(output_name, overwrite)
         parts = sides(model, clip, model_base, clip_base, base_checkpoint)
         base = {"checkpoint": base_checkpoint} if model_base is None else {"model": "model_base input"}

@@ -221,7 +221,7 @@ def test_node_model_and_model_reloads_in_both_loaders(sd15, loras, tuned):
     model, clip = sd15
     file, report = execute(LycorisExtract, model=tuned[0], clip=tuned[1], model_base=model, clip_base=clip,
                            mode="fixed", mode_param=4.0, max_rank=0, algo="locon", skip_below=0.0,
-                           save_dtype="fp32", output_name="extracted/from_models").result
+                           dtype="fp32", output_name="extracted/from_models").result
     assert file == "extracted/from_models.safetensors"
     keys = [model_key(layer) for layer in LAYERS]
     with safe_open(str(loras / file), "pt") as f:
@@ -254,7 +254,7 @@ def test_node_counts_patches_of_any_loader(sd15, loras, locon_file, how):
         assert not tuned[0].patches.get(model_key(LAYERS[1]))  # bypassed: nothing merged on this Linear
     _file, report = execute(LycorisExtract, model=tuned[0], clip=tuned[1], model_base=model, clip_base=clip,
                             mode="fixed", mode_param=4.0, max_rank=0, algo="locon", skip_below=0.0,
-                            save_dtype="fp32", output_name="any_loader").result
+                            dtype="fp32", output_name="any_loader").result
     first = report.splitlines()[0]  # "Extract LyCORIS: any_loader.safetensors: 10 modules, largest relative error x"
     assert ": 10 modules, largest relative error " in first and float(first.rsplit(" ", 1)[1]) < 1e-5, report
 
@@ -269,7 +269,7 @@ def test_node_lokr_and_bias_load_alike_in_both_loaders(sd15, loras, tuned):
     patched = tuned[0].clone()
     patched.add_patches({bias_key: ("diff", (bias_change,))}, 1.0)
     file, report = execute(LycorisExtract, model=patched, model_base=model, mode="fixed", mode_param=4.0,
-                           max_rank=0, algo="lokr", skip_below=0.0, save_dtype="fp32", output_name="lokr").result
+                           max_rank=0, algo="lokr", skip_below=0.0, dtype="fp32", output_name="lokr").result
     with safe_open(str(loras / file), "pt") as f:
         keys = list(f.keys())
         recorded = json.loads(f.metadata()["lycoris_nodes.modules"])
@@ -305,7 +305,7 @@ def test_node_model_and_checkpoint_lower_rank_within_reported_error(sd15, loras,
     threshold = sorted(changes.values())[1] * 1.0001  # the two smallest of these four are skipped (at least)
     file, report = execute(LycorisExtract, model=tuned[0], clip=tuned[1], base_checkpoint="tiny.safetensors",
                            mode="fixed", mode_param=2.0, max_rank=0, algo="locon", skip_below=threshold,
-                           save_dtype="fp16", output_name="from_checkpoint").result
+                           dtype="fp16", output_name="from_checkpoint").result
     lfile = load(str(loras / file))
     with safe_open(str(loras / file), "pt") as f:
         recorded = json.loads(f.metadata()["lycoris_nodes.modules"])
@@ -323,7 +323,7 @@ def test_node_model_and_checkpoint_lower_rank_within_reported_error(sd15, loras,
 def test_node_refusals(sd15, loras, tuned):
     model, _clip = sd15
     common = {"mode": "fixed", "mode_param": 4.0, "max_rank": 0, "algo": "locon", "skip_below": 0.0,
-              "save_dtype": "fp16"}
+              "dtype": "fp16"}
     with pytest.raises(LycorisError, match="exactly one base"):
         execute(LycorisExtract, model=tuned[0], output_name="x", **common)
     with pytest.raises(LycorisError, match="clip_base"):
@@ -346,7 +346,7 @@ def test_two_bases_refused(sd15, loras, tuned, tmp_path, monkeypatch):
                         ([str(checkpoints)], folder_paths.supported_pt_extensions))
     with pytest.raises(LycorisError, match="not both"):
         execute(LycorisExtract, model=tuned[0], model_base=model, base_checkpoint="tiny.safetensors",
-                mode="fixed", mode_param=4.0, max_rank=0, algo="locon", skip_below=0.0, save_dtype="fp16",
+                mode="fixed", mode_param=4.0, max_rank=0, algo="locon", skip_below=0.0, dtype="fp16",
                 output_name="x")
 
 
