@@ -197,14 +197,16 @@ def test_nonsense_settings_are_refused(mode, rank, value, message):
 
 def test_randomized_svd_is_within_one_percent_of_the_exact_error():
     """A dense 1024×1280 change with σᵢ = 1/√(i+1) (a slow decay, the hard case), fixed rank 32: lowrank takes the
-    randomized SVD (svd_lowrank, 8 oversamples, 2 power iterations). Measured (CPU, seed 11): exact ε(32) = 0.6779,
-    randomized 0.6809 (0.45% above, within 1%); the reported error is the measured one."""
+    randomized SVD (svd_lowrank, 8 oversamples, 2 power iterations). Measured (CPU, seeds 11 and 0): exact
+    ε(32) = 0.6779, randomized 0.6808 (0.43% above, within 1%); the reported error is the measured one."""
     gen = torch.Generator().manual_seed(11)
     u = torch.linalg.qr(torch.randn(1024, 1024, generator=gen))[0]
     v = torch.linalg.qr(torch.randn(1280, 1024, generator=gen))[0]
     s = 1 / torch.arange(1, 1025, dtype=torch.float32).sqrt()
     change = (u * s) @ v.T
-    resized = resize.resize_weight(change, (1024, 1280), resize.Settings(RankRule("fixed", 32), torch.float32))
+    with torch.random.fork_rng():
+        torch.manual_seed(0)  # svd_lowrank's random test matrix: the same numbers on every run
+        resized = resize.resize_weight(change, (1024, 1280), resize.Settings(RankRule("fixed", 32), torch.float32))
     exact = math.sqrt(float(s[32:].double().square().sum() / s.double().square().sum()))
     up, down = resized.tensors["lora_up.weight"], resized.tensors["lora_down.weight"]
     measured = relative(up @ down, change)
