@@ -504,3 +504,21 @@ def test_modules_on_row_windows_of_a_fused_weight_concatenate_in_their_rows(tmp_
     assert (written.record.form, written.record.rank) == ("lora", 12)
     error = float((reproduced(written.tensors, start).double() - truth).norm() / truth.norm())
     assert error <= 1e-6 and written.record.error <= 1e-6
+
+
+def test_a_loaded_model_saves_the_same_file(sd15, loras):
+    """After sampling, ComfyUI keeps the clone loaded with its patches merged into the shared weights (the originals
+    in the patcher's backup): Save must still measure the change from the original weights. A DoRA change reads the
+    weight (an additive one would come out the same from either)."""
+    model, clip = stack(sd15, [("lokr_dora.safetensors", 0.8, 0.8, "merge")])
+    unloaded = save(model, clip, "while_unloaded", Settings(dtype="fp32"))
+    comfy.model_management.unload_all_models()
+    model.patch_model(device_to=CPU, lowvram_model_memory=0)
+    try:
+        assert model.backup  # the shared weights now hold W0 + dW
+        loaded = save(model, clip, "while_loaded", Settings(dtype="fp32"))
+    finally:
+        model.unpatch_model(CPU)
+    first, second = load_file(str(loras / unloaded.file)), load_file(str(loras / loaded.file))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
