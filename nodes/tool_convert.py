@@ -54,6 +54,7 @@ class Planned:
     name: str
     converted: convert.Converted
     applied: Applied
+    rows: tuple[int, int] | None = None  # (start, length): this part of a fused weight's change (diffusers' names)
 
 
 # --- the model's side: names, weights ----------------------------------------------------------------------------
@@ -100,8 +101,14 @@ def plan_modules(lfile: LycorisFile, model, clip, target: str) -> tuple[list[Pla
     planned: list[Planned] = []
     taken: dict[tuple[str, str], str] = {}  # (name, parameter) -> the module key that took it
     progress = Progress(len(mapped.targets))
+    parts = convert.part_names(key_map) if target == convert.DIFFUSERS else {}
     for module_key, applied in mapped.targets.items():
         progress.step()
+        if applied.target.offset is None and weight_key(applied) not in names and weight_key(applied) in parts:
+            reason = _plan_parts(module_key, applied, parts[weight_key(applied)], model, clip, planned, taken)
+            if reason is not None:
+                refused.append((module_key, reason))
+            continue
         reason = _name_problem(applied, names, target)
         name = names.get(weight_key(applied))
         if reason is None and (name, applied.module.param) in taken:
@@ -118,6 +125,38 @@ def plan_modules(lfile: LycorisFile, model, clip, target: str) -> tuple[list[Pla
     return planned, refused
 
 
+def _plan_parts(module_key: str, applied: Applied, parts: list[tuple[int, int, str]], model, clip,
+                planned: list[Planned], taken: dict) -> str | None:
+    """A module on a weight diffusers splits (Flux's qkv into to_q/to_k/to_v): one LoRA per part, its lora_B
+    rows (and DoRA magnitude rows) the part's rows, lora_A shared. ΔW's rows are exactly up's rows times down,
+    and DoRA normalises each output row on its own, so the parts together are the module exactly."""
+    covered = sum(length for _s, length, _n in parts)
+    if covered != applied.target.shape[0]:
+        return (f"diffusers names cover rows 0..{covered} of {applied.target.key}, which has "
+                f"{applied.target.shape[0]}: the rest could not be written")
+    taken_by = [taken[name, applied.module.param] for _s, _l, name in parts if (name, applied.module.param) in taken]
+    if taken_by:
+        return ONE_NAME.format(other=taken_by[0])
+    result = convert_module(applied, convert.DIFFUSERS, weight_of(applied, model, clip))
+    if isinstance(result, str):
+        return result
+    for start, length, name in parts:
+        taken[name, applied.module.param] = module_key
+        planned.append(Planned(module_key, name, convert.row_part(result, start, length), applied, (start, length)))
+    return None
+
+
+def source_change(p: Planned, model, clip) -> "torch.Tensor | convert.Factors":
+    """The source module's full-strength change, only the planned part's rows for a split module."""
+    change = module_change(p.applied.plan, p.applied.module.tensors, 1.0, weight_of(p.applied, model, clip), device())
+    return change if p.rows is None else convert.rows_of(change, *p.rows)
+
+
+def part_weight(p: Planned, model, clip) -> torch.Tensor:
+    weight = weight_of(p.applied, model, clip)
+    return weight if p.rows is None else weight.narrow(0, p.rows[0], p.rows[1])
+
+
 def _component(name: str) -> str:
     found = convert.component_path(name)
     return found[0] if found else ""
@@ -130,11 +169,10 @@ def complete_dora(planned: list[Planned], model, clip) -> list[Planned]:
     done = []
     for p in planned:
         if _component(p.name) in with_dora and convert.PEFT_MAGNITUDE not in p.converted.tensors:
-            weight = weight_of(p.applied, model, clip)
-            change = module_change(p.applied.plan, p.applied.module.tensors, 1.0, weight, device())
-            p = Planned(p.source_key, p.name,
-                        convert.with_identity_magnitude(p.converted, change, weight, tuple(p.applied.target.shape)),
-                        p.applied)
+            weight = part_weight(p, model, clip)
+            magnitude = convert.with_identity_magnitude(p.converted, source_change(p, model, clip), weight,
+                                                        tuple(weight.shape))
+            p = Planned(p.source_key, p.name, magnitude, p.applied, p.rows)
         done.append(p)
     return done
 
@@ -186,18 +224,29 @@ def differences(planned: list[Planned], tensors: dict, metadata: dict, model, cl
     found: dict[str, Difference | str] = {}
     for p in planned:
         back = by_name.get((p.name, p.applied.module.param))
-        if back is None or back.target.key != p.applied.target.key:
-            found[p.source_key] = "the written module does not read back onto the same weight"
+        rows = None if p.rows is None else [0, *p.rows]
+        if back is None or back.target.key != p.applied.target.key or _offset(back) != rows:
+            found[_check_key(p)] = "the written module does not read back onto the same weight"
             continue
-        weight = weight_of(p.applied, model, clip)
-        source = module_change(p.applied.plan, p.applied.module.tensors, 1.0, weight, device())
+        weight = part_weight(p, model, clip)
+        source = source_change(p, model, clip)
         written = module_change(back.plan, back.module.tensors, 1.0, weight, device())
         of_change = convert.relative_difference(source, written)
         weight_norm = float(weight.double().norm())
         of_weight = of_change * convert.change_norm(source) / weight_norm if weight_norm > 0 else of_change
-        found[p.source_key] = Difference(of_change, of_weight,
-                                         p.applied.plan.dora_axis is not None or back.plan.dora_axis is not None)
+        found[_check_key(p)] = Difference(of_change, of_weight,
+                                          p.applied.plan.dora_axis is not None or back.plan.dora_axis is not None)
     return found
+
+
+def _offset(applied: Applied) -> list | None:
+    offset = applied.target.offset
+    return None if offset is None else list(offset)
+
+
+def _check_key(p: Planned) -> str:
+    """One check per written module: a split module's parts are checked one by one."""
+    return p.source_key if p.rows is None else f"{p.source_key} (rows {p.rows[0]}..{sum(p.rows)})"
 
 
 def _checked(planned: list[Planned], model, clip, target: str, name: str) -> tuple[list[Planned], list]:
@@ -205,15 +254,14 @@ def _checked(planned: list[Planned], model, clip, target: str, name: str) -> tup
     tensors = _output_tensors(planned, torch.float32)
     metadata = _peft_metadata(planned) if target == convert.DIFFUSERS and planned else {}
     found = differences(planned, tensors, metadata, model, clip, name) if planned else {}
-    kept, refused = [], []
+    failed = {}
     for p in planned:
-        difference = found[p.source_key]
+        difference = found[_check_key(p)]
         if isinstance(difference, str) or not difference.exact():
             detail = difference if isinstance(difference, str) else f"relative difference {difference.of_change:.2e}"
-            refused.append((p.source_key, f"the converted module does not reproduce the change ({detail})"))
-        else:
-            kept.append(p)
-    return kept, refused
+            failed.setdefault(p.source_key, f"the converted module does not reproduce the change ({detail})")
+    kept = [p for p in planned if p.source_key not in failed]  # a split module is written whole or not at all
+    return kept, list(failed.items())
 
 
 @dataclass
@@ -246,7 +294,7 @@ def conversion(lfile: LycorisFile, model, clip, target: str, on_unconvertible: s
     tensors = _output_tensors(planned, DTYPES[dtype_name])
     stored = _peft_metadata(planned) if target == convert.DIFFUSERS else {}
     errors = differences(planned, tensors, stored, model, clip, lfile.name)
-    records = {p.name: ModuleRecord(p.converted.form, p.converted.rank, _recorded(errors[p.source_key]))
+    records = {p.name: ModuleRecord(p.converted.form, p.converted.rank, _recorded(errors[_check_key(p)]))
                for p in planned}
     metadata = _metadata(lfile, model, target, title, records, refused, stored)
     report = ToolReport(TOOL, modules=records, not_written=refused, notes=_notes(planned, target, dtype_name))

@@ -21,9 +21,9 @@ import comfy.utils
 import pytest
 import test_nodes
 import torch
-from diffusers import StableDiffusionPipeline
+from diffusers import FluxPipeline, StableDiffusionPipeline
 from diffusers.utils import convert_state_dict_to_kohya
-from lycoris import LycorisNetwork, create_lycoris
+from lycoris import LycorisNetwork, create_lycoris, kohya
 from lycoris_nodes.lycoris_core import LycorisError
 from lycoris_nodes.lycoris_core.patch import change
 from lycoris_nodes.nodes import tool_convert
@@ -36,6 +36,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_peft_diffusers_names import twin  # noqa: F401  (fixture)
+from test_peft_dit import comfy_part, flux  # noqa: F401  (fixture)
 
 sd15 = test_nodes.sd15
 loras = test_nodes.loras
@@ -335,3 +336,64 @@ def test_save_dtype_casts_and_reports_the_rounding(sd15, twin, loras):  # noqa: 
     errors = [r["error"] for r in json.loads(metadata_of(loras / written)["lycoris_nodes.modules"]).values()]
     assert all(1e-4 < e < 1e-2 for e in errors), errors  # bf16's rounding of the factors, measured and said
     assert "saved in bf16" in report
+
+
+# --- a DiT: Flux's fused weights, split into diffusers' layers -------------------------------------------------------
+
+# kohya's Flux names (lycoris-lora's kohya wrapper on ComfyUI's own Flux module): the fused qkv / linear1 whole
+FLUX_LAYERS = ["double_blocks.0.img_attn.qkv", "double_blocks.1.txt_attn.qkv", "single_blocks.0.linear1",
+               "double_blocks.0.img_mlp.0"]
+
+
+def kohya_flux_file(diffusion_model, folder, name, seed, **options) -> str:
+    preset = folder / f"{name}.preset.toml"
+    targets = ", ".join(f'"{layer}$"' for layer in FLUX_LAYERS)
+    preset.write_text(f"unet_target_module = []\nunet_target_name = [{targets}]\n"
+                      "text_encoder_target_module = []\ntext_encoder_target_name = []\n")
+    network = kohya.create_network(1.0, 4, 2.0, None, None, diffusion_model, warn_on_unmatched=False,
+                                   preset=str(preset), **options)
+    network.apply_to(None, diffusion_model, apply_text_encoder=False, apply_unet=True)
+    torch.manual_seed(seed)
+    for param_name, param in network.named_parameters():
+        if "dora_scale" in param_name:
+            param.data.mul_(1 + 0.1 * torch.rand_like(param))
+        else:
+            param.data = torch.randn_like(param) * 0.05
+    network.save_weights(str(folder / name), torch.float32, {})
+    network.restore()
+    return name
+
+
+FLUX_SOURCES = {"lora": {"algo": "locon"}, "dora": {"algo": "locon", "dora_wd": True}}
+
+
+@pytest.mark.parametrize("kind", sorted(FLUX_SOURCES))
+def test_flux_fused_weights_split_into_diffusers_layers_load_in_peft(kind, flux, loras):  # noqa: F811
+    """A module on Flux's fused qkv / linear1 becomes one LoRA per diffusers layer (to_q, to_k, to_v, proj_mlp):
+    lora_B's rows (and DoRA's magnitude rows) split, lora_A shared. diffusers loads the file into its own Flux
+    and PEFT's merge equals our loader's patch of the source, part by part."""
+    patcher, flux_twin, to_comfy = flux
+    name = kohya_flux_file(patcher.model.diffusion_model, loras, f"flux-{kind}.safetensors", seed=11,
+                           **FLUX_SOURCES[kind])
+    assert all(k.startswith("lora_unet_") for k in keys_of(loras / name))
+    written, report = convert(name, "diffusers", patcher, f"flux/{kind}")
+    assert "not written" not in report, report
+    keys = keys_of(loras / written)
+    assert "transformer.single_transformer_blocks.0.proj_mlp.lora_B.weight" in keys
+    assert "transformer.transformer_blocks.1.attn.add_v_proj.lora_A.weight" in keys
+
+    state, metadata = FluxPipeline.lora_state_dict(str(loras / written), return_lora_metadata=True)
+    model = copy.deepcopy(flux_twin)
+    model.load_lora_adapter(state, prefix="transformer", metadata=metadata, adapter_name="converted")
+    ours = patched_by_our_loader(patcher, loras / name)
+    checked = 0
+    for module_name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            before = module.get_base_layer().weight.detach().clone()
+            module.merge()
+            target = to_comfy[module_name + ".weight"]
+            got = module.get_base_layer().weight.detach() - before
+            want = comfy_part(ours, target) - comfy_part(patcher.model.state_dict(), target).float()
+            assert float((got - want).norm() / want.norm()) <= TOLERANCE, module_name
+            checked += 1
+    assert checked == 3 + 3 + 4 + 1  # img q/k/v, txt q/k/v, single q/k/v/mlp, img_mlp.0

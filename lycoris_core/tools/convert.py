@@ -119,6 +119,52 @@ def diffusers_names(key_map: Mapping) -> dict[str, str]:
     return names
 
 
+def part_names(key_map: Mapping) -> dict[str, list[tuple[int, int, str]]]:
+    """Fused ComfyUI weight key -> [(first row, rows, diffusers name)] tiling all its rows, for weights diffusers
+    keeps as separate layers (Flux's qkv as to_q/to_k/to_v, linear1 as those and proj_mlp): from row 0, each part
+    is the shortest named slice starting where the previous one ended (the caller checks they reach the last row).""" 
+    slices: dict[str, dict[tuple[int, int], str]] = {}
+    for name, target in key_map.items():
+        if not (isinstance(name, str) and isinstance(target, tuple) and len(target) == 2 and target[1] is not None
+                and target[1][0] == 0 and isinstance(target[0], str)):
+            continue
+        found = component_path(name)
+        if found is None or found[1].startswith(PEFT_WRAPPER):
+            continue
+        span = (target[1][1], target[1][2])
+        current = slices.setdefault(target[0], {}).get(span)
+        if current is None or _diffusers_rank(name) < _diffusers_rank(current):
+            slices[target[0]][span] = name
+    tilings = {}
+    for key, named in slices.items():
+        start, parts = 0, []
+        while candidates := [span for span in named if span[0] == start]:
+            span = min(candidates, key=lambda s: s[1])
+            parts.append((span[0], span[1], named[span]))
+            start += span[1]
+        tilings[key] = parts
+    return {key: parts for key, parts in tilings.items() if parts}
+
+
+def rows_of(change: "Factors | torch.Tensor", start: int, length: int) -> "Factors | torch.Tensor":
+    """Rows start..start+length of a change: ΔW's rows are up's rows times down."""
+    if isinstance(change, Factors):
+        return Factors(change.up[start:start + length], change.down)
+    return change[start:start + length]
+
+
+def row_part(converted: "Converted", start: int, length: int) -> "Converted":
+    """The PEFT LoRA of rows start..start+length of a converted module: lora_B's rows (and the DoRA magnitude's,
+    one per output row), lora_A as it is."""
+    tensors = dict(converted.tensors)
+    tensors[LORA_B] = tensors[LORA_B][start:start + length]
+    if PEFT_MAGNITUDE in tensors:
+        magnitude = tensors[PEFT_MAGNITUDE]
+        tensors[PEFT_MAGNITUDE] = (magnitude[start:start + length] if magnitude.ndim == 1
+                                   else magnitude[:, start:start + length])
+    return Converted(tensors, converted.rank, converted.alpha, converted.form + f" (rows {start}..{start + length})")
+
+
 # --- tensors ---------------------------------------------------------------------------------------------------------
 
 def _factor_shapes(shape: tuple[int, ...], rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
