@@ -180,7 +180,8 @@ def test_extension_lists_every_node():
     listed = asyncio.run(extension.get_node_list())
     assert {c.define_schema().node_id for c in listed} == {
         "LycorisLoader", "LycorisLoaderModelOnly", "LycorisInfo", "LycorisBlockWeights", "LycorisBlockInfo",
-        "LycorisStack", "LycorisApplyStack", "LycorisHook", "LycorisFade"}
+        "LycorisStack", "LycorisApplyStack", "LycorisHook", "LycorisFade",
+        "LycorisSave", "LycorisResize", "LycorisExtract", "LycorisConvert"}
 
 
 # --- applying ------------------------------------------------------------------------------------------------------

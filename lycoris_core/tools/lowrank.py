@@ -57,8 +57,8 @@ class Spectrum:
 
     u: torch.Tensor  # (out, k)
     s: torch.Tensor  # (k,)
-    vh: torch.Tensor  # (k, in·∏k)
-    energy: float  # ‖ΔW₂‖²_F
+    vh: torch.Tensor  # (k, in * prod(kernel))
+    energy: float  # squared Frobenius norm of the change
     complete: bool
 
     def error(self, rank: int) -> float:
