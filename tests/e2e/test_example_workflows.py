@@ -2,7 +2,9 @@
 ui_to_api as saved but on the tiny model and the demo LyCORIS files in place of the standard names the examples show
 users (scripts/example_models.py: for_demo). Each must pass the server's validation, run and save an image; the
 block-weight, stack, schedule and info examples are also checked against equivalent graphs, pixel for pixel
-(SaveImage embeds the prompt, so files are never compared).
+(SaveImage embeds the prompt, so files are never compared). The tools' examples (Save, Resize, Extract, Convert
+LyCORIS) write a file instead: it must be in the server's loras folder, load through our loader with every module
+applied, and (Save) sample like the stack it was saved from.
 
 And what a user gets when opening one from the template browser: the standard SD1.5 checkpoint with the metadata
 that makes the frontend offer its download, a placeholder LyCORIS name a note explains, the node library's titles,
@@ -40,15 +42,43 @@ EXPECTED = {  # the examples this file checks in detail; any other json is still
     "lycoris_schedule.json",
     "lycoris_info.json",
     "lycoris_bypass.json",
+    "lycoris_save.json",
+    "lycoris_resize.json",
+    "lycoris_extract.json",
+    "lycoris_convert.json",
 }
+TOOL_NODES = ("LycorisSave", "LycorisResize", "LycorisExtract", "LycorisConvert")  # they write a file, not an image
 
 
 @dataclass
 class Ran:
     prompt: dict
     entry: dict
-    png: bytes
-    pixels: np.ndarray
+    png: bytes | None  # None for a tool's example
+    pixels: np.ndarray | None
+    written: Path | None = None  # the tool's output file
+
+
+def tool_node(prompt: dict) -> str | None:
+    tools = [k for k, v in prompt.items() if v["class_type"] in TOOL_NODES]
+    assert len(tools) <= 1, tools
+    return tools[0] if tools else None
+
+
+# PEFT/diffusers names hold LoRA only and the demo file is LoKr + DoRA (nothing of it converts): the Convert example
+# runs on the Resize example's output instead, a plain LoRA of the demo file (the way its note tells users to go).
+INPUT_FROM = {"lycoris_convert.json": ("LycorisConvert", "lycoris_resize.json")}
+
+
+def loras_name(server, path: Path) -> str:
+    """A file's name as the loras list gives it (relative to the loras folder, forward slashes)."""
+    return path.relative_to(server.base_dir / "models" / "loras").as_posix()
+
+
+def output_file(server, prompt: dict, tool: str) -> Path:
+    """Where the tool writes: its output_name (+ .safetensors) in the server's loras folder."""
+    name = prompt[tool]["inputs"]["output_name"]
+    return server.base_dir / "models" / "loras" / (name if name.endswith(".safetensors") else name + ".safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +94,19 @@ def example(server, object_info):
     def get(name: str) -> Ran:
         if name not in done:
             prompt = ui_to_api(demo_workflow(name), object_info)
-            entry = server.wait(server.queue(prompt), timeout=180)
-            png = server.image_bytes(entry)
-            done[name] = Ran(prompt, entry, png, np.asarray(Image.open(io.BytesIO(png)).convert("RGB")))
+            if name in INPUT_FROM:
+                kind, source = INPUT_FROM[name]
+                prompt = changed(prompt, kind, lycoris_name=loras_name(server, get(source).written))
+            tool = tool_node(prompt)
+            if tool is not None:  # a file from an earlier run would be refused (the tools never overwrite)
+                written = output_file(server, prompt, tool)
+                written.unlink(missing_ok=True)
+                entry = server.wait(server.queue(prompt), timeout=180)
+                done[name] = Ran(prompt, entry, None, None, written)
+            else:
+                entry = server.wait(server.queue(prompt), timeout=180)
+                png = server.image_bytes(entry)
+                done[name] = Ran(prompt, entry, png, np.asarray(Image.open(io.BytesIO(png)).convert("RGB")))
         return done[name]
 
     return get
@@ -119,7 +159,8 @@ def test_example_is_a_consistent_ui_graph(name):
             assert node["widgets_values"][0] == YOUR_LYCORIS, (node["id"], node["widgets_values"])
 
 
-LYCORIS_FILE_NODES = ("LycorisLoader", "LycorisBlockWeights", "LycorisBlockInfo", "LycorisInfo", "LycorisHook")
+LYCORIS_FILE_NODES = ("LycorisLoader", "LycorisBlockWeights", "LycorisBlockInfo", "LycorisInfo", "LycorisHook",
+                      "LycorisResize", "LycorisConvert")
 # How the frontends (1.32.9 and 1.49.6) decide a missing model can be downloaded: a url starting with one of these
 # and a name ending in one of these (MissingModelsWarning / isModelDownloadable).
 DOWNLOAD_HOSTS = ("https://civitai.com/", "https://huggingface.co/")
@@ -205,6 +246,11 @@ def test_every_example_has_a_thumbnail(server):
 @pytest.mark.parametrize("name", WORKFLOWS)
 def test_example_runs(example, name):
     ran = example(name)
+    if ran.written is not None:
+        assert ran.written.is_file() and ran.written.stat().st_size > 0, f"{name} wrote no {ran.written}"
+        (report,) = ran.entry["outputs"][tool_node(ran.prompt)]["text"]
+        assert report.strip(), f"{name}: the tool reported nothing"
+        return
     assert ran.png.startswith(b"\x89PNG\r\n\x1a\n")
     assert ran.pixels.shape == (64, 64, 3)
     assert ran.pixels.std() > 0, f"{name} made a flat image"
@@ -335,6 +381,48 @@ def test_preview_text_keeps_its_line_breaks(example, name):
     breaks = [n for n in workflow["nodes"] if n["type"] == "RegexReplace"]
     assert len(breaks) == len(shown)
     assert all(n["widgets_values"][1:3] == ["\\n", "  \\n"] for n in breaks)
+
+
+def sample_with(server, example, written: Path) -> tuple[dict, np.ndarray]:
+    """The loader example (same checkpoint, prompts, seed and sampler as the others) with `written` as its file at
+    strength 1: (the loader's panel payload, the image's pixels)."""
+    loader = example("lycoris_loader.json").prompt
+    prompt = changed(loader, "LycorisLoader", lycoris_name=loras_name(server, written), strength_model=1.0,
+                     strength_clip=1.0)
+    entry = server.wait(server.queue(prompt), timeout=180)
+    (payload,) = entry["outputs"][only(prompt, "LycorisLoader")]["lycoris"]
+    png = server.image_bytes(entry)
+    return payload, np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+TOOL_EXAMPLES = ["lycoris_save.json", "lycoris_resize.json", "lycoris_extract.json", "lycoris_convert.json"]
+
+
+@pytest.mark.parametrize("name", TOOL_EXAMPLES)
+def test_tool_example_file_loads_through_our_loader(server, example, name):
+    """The file the tool wrote is offered by the loader right away and every module of it is applied."""
+    ran = example(name)
+    payload, image = sample_with(server, example, ran.written)
+    assert payload["applied"] == payload["total"] > 0, payload["line"]
+    assert not payload["problems"] and not payload["unused_keys"], payload
+    assert image.std() > 0
+
+
+def test_save_example_samples_like_its_stack(server, example):
+    """Sampling with the saved file gives the image of the stack it was saved from: the stack example's rows are the
+    save example's, on the same checkpoint, prompts, seed and sampler. Saved in fp32 here ('exact' is exact up to the
+    file's dtype; the example saves fp16), equal up to a rounding step of the 8-bit output."""
+    save = example("lycoris_save.json").prompt
+    stack = example("lycoris_stack.json")
+    assert save[only(save, "LycorisStack")]["inputs"] == stack.prompt[only(stack.prompt, "LycorisStack")]["inputs"]
+    fp32 = changed(save, "LycorisSave", dtype="fp32", output_name="lycoris/saved_stack_fp32")
+    written = output_file(server, fp32, only(fp32, "LycorisSave"))
+    written.unlink(missing_ok=True)
+    server.wait(server.queue(fp32), timeout=180)
+    _payload, image = sample_with(server, example, written)
+    plain = example("lycoris_loader.json").pixels.astype(int)
+    assert np.abs(stack.pixels.astype(int) - plain).max() > 20, "the stack hardly differs from one file: proves nothing"
+    assert np.abs(image.astype(int) - stack.pixels.astype(int)).max() <= 2
 
 
 def test_no_unloaded_keys_in_the_server_log(server, example):
