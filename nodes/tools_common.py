@@ -126,7 +126,7 @@ class ToolReport:
     def text(self) -> str:
         rows = [self.line(), *self.notes]
         listed = sorted(self.modules.items(), key=lambda kv: -kv[1].error)[:MAX_LISTED]
-        rows += [f"  {key}: {r.form}, rank {r.rank if r.rank is not None else 'full'}, error {r.error:.2e}"
+        rows += [f"  {key}: {r.form}{'' if r.rank is None else f', rank {r.rank}'}, error {r.error:.2e}"
                  for key, r in listed]
         if len(self.modules) > MAX_LISTED:
             rows.append(f"  ... and {len(self.modules) - MAX_LISTED} more modules (all in the file's metadata)")
