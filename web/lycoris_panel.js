@@ -7,6 +7,9 @@
 // On LyCORIS Loader (Block Weights) the panel also has a slider per block the file touches (known after a run of the
 // node, or of a LyCORIS Block Info node for the same file); a slider rewrites the node's `block_weights` text as named
 // rules (lycoris_block_rules.js), which is what is saved and sent: the sliders themselves are not.
+//
+// The tools (Save, Resize, Extract, Convert LyCORIS) get a DOM widget named "lycoris_report" instead: the text report
+// the node returns (ui "text": the file written, then form, rank and measured error per module), lines kept.
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
@@ -14,6 +17,10 @@ import { blockWeight, formatWeight, parseBlockWeights, setBlockRule } from "./ly
 
 const NODE_TYPES = ["LycorisLoader", "LycorisLoaderModelOnly", "LycorisInfo", "LycorisBlockWeights", "LycorisBlockInfo"];
 const BLOCK_EDITOR_TYPES = ["LycorisBlockWeights"];
+// The tools (Save, Resize, Extract, Convert LyCORIS): their report (the node's "text" UI output) shown on the node.
+const TOOL_TYPES = ["LycorisSave", "LycorisResize", "LycorisExtract", "LycorisConvert"];
+const REPORT_WIDGET = "lycoris_report";
+const REPORT_IDLE = "Run to write the file; its report (form, rank and error per module) shows here.";
 const PANEL_WIDGET = "lycoris_panel";
 const NAME_WIDGET = "lycoris_name";
 const BLOCK_WEIGHTS_WIDGET = "block_weights";
@@ -722,6 +729,38 @@ function addPanel(node) {
     return panel;
 }
 
+/** The tool's report as plain text in a DOM widget (both renderers, like the panel); not serialized. */
+function addReport(node) {
+    if (node.widgets?.some((w) => w.name === REPORT_WIDGET)) return node.lycorisReport;
+    const root = el("div", "lycoris-panel lycoris-report");
+    root.appendChild(stylesheet());
+    const text = el("pre", "lycoris-report-text lycoris-idle", REPORT_IDLE);
+    root.appendChild(text);
+    keepEvents(text); // selecting the text is not a drag of the node
+    const widget = node.addDOMWidget(REPORT_WIDGET, "lycoris_report", root, {
+        serialize: false,
+        hideOnZoom: false,
+        getValue: () => undefined,
+        setValue: () => {},
+        getMinHeight: () => 60 + 2 * MARGIN,
+        margin: MARGIN,
+    });
+    widget.serialize = false;
+    widget.serializeValue = () => undefined;
+    const report = {
+        root,
+        show(output) {
+            const lines = output?.text;
+            if (!Array.isArray(lines) || !lines.length) return;
+            text.textContent = lines.join("\n");
+            text.className = "lycoris-report-text";
+            node.setDirtyCanvas?.(true, true);
+        },
+    };
+    node.lycorisReport = report;
+    return report;
+}
+
 const extension = {
     name: "lycoris_nodes.panel",
 
@@ -732,6 +771,19 @@ const extension = {
     },
 
     async beforeRegisterNodeDef(nodeType, nodeData) {
+        if (TOOL_TYPES.includes(nodeData.name)) {
+            const onToolExecuted = nodeType.prototype.onExecuted;
+            nodeType.prototype.onExecuted = function (output) {
+                const result = onToolExecuted?.apply(this, arguments);
+                try {
+                    this.lycorisReport?.show(output);
+                } catch (e) {
+                    console.error("[lycoris_panel] tool report:", e);
+                }
+                return result;
+            };
+            return;
+        }
         if (!NODE_TYPES.includes(nodeData.name)) return;
         const onExecuted = nodeType.prototype.onExecuted;
         nodeType.prototype.onExecuted = function (output) {
@@ -746,6 +798,14 @@ const extension = {
     },
 
     nodeCreated(node) {
+        if (TOOL_TYPES.includes(node.comfyClass)) {
+            try {
+                addReport(node);
+            } catch (e) {
+                console.error("[lycoris_panel] could not add the tool report:", e);
+            }
+            return;
+        }
         if (!NODE_TYPES.includes(node.comfyClass)) return;
         try {
             addPanel(node);
