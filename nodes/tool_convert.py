@@ -12,6 +12,7 @@ its reason, or, with on_unconvertible = error, refuses the whole conversion.
 import os
 from dataclasses import dataclass
 
+import comfy.model_base
 import comfy.sd
 import comfy.utils
 import folder_paths
@@ -68,6 +69,11 @@ def key_map_of(model, clip) -> dict:
     return key_map
 
 
+def is_flux2(model) -> bool:
+    flux2 = getattr(comfy.model_base, "Flux2", None)
+    return model is not None and flux2 is not None and isinstance(model.model, flux2)
+
+
 def weight_of(applied: Applied, model, clip) -> torch.Tensor:
     """The model's weight a module changes (its rows, for an offset target): read directly (a state_dict() per
     module would list the whole model each time)."""
@@ -96,6 +102,8 @@ def plan_modules(lfile: LycorisFile, model, clip, target: str) -> tuple[list[Pla
     """Every module of the file either planned under its target name or listed with the reason it is not."""
     _patches, mapped = map_file(lfile, model, clip, reference=False)
     key_map = key_map_of(model, clip)
+    if target == convert.DIFFUSERS:
+        key_map = convert.for_flux_generation(key_map, is_flux2(model))
     names = file_names(key_map) if target == convert.KOHYA else convert.diffusers_names(key_map)
     refused = list(mapped.problems) + list(mapped.unused_keys)
     planned: list[Planned] = []
@@ -399,6 +407,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--checkpoint", required=True,
                         help="the model the file is for (a name in the checkpoints folder or a path): its weights "
                              "name the modules")
+    parser.add_argument("--diffusion-model-only", action="store_true",
+                        help="the --checkpoint is a diffusion model alone (ComfyUI's diffusion_models / unet folder, "
+                             "e.g. a Flux transformer): text-encoder modules are then reported, not written")
     parser.add_argument("-o", "--output", required=True, help="output name in the loras folder")
     parser.add_argument("--on-unconvertible", choices=[REPORT, ERROR], default=REPORT)
     parser.add_argument("--save-dtype", choices=list(DTYPES), default="keep")
@@ -416,7 +427,11 @@ def input_path(name: str, folder: str) -> str:
 
 
 def run_cli(args) -> ToolReport:
-    checkpoint = input_path(args.checkpoint, "checkpoints")
-    model, clip, _vae, _ = comfy.sd.load_checkpoint_guess_config(checkpoint, output_vae=False, output_clipvision=False)
+    if args.diffusion_model_only:
+        model, clip = comfy.sd.load_diffusion_model(input_path(args.checkpoint, "diffusion_models")), None
+    else:
+        checkpoint = input_path(args.checkpoint, "checkpoints")
+        model, clip, _vae, _ = comfy.sd.load_checkpoint_guess_config(checkpoint, output_vae=False,
+                                                                      output_clipvision=False)
     return run(input_path(args.file, "loras"), model, clip, args.target, args.on_unconvertible, args.save_dtype,
                args.output, args.overwrite)

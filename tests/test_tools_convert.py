@@ -396,4 +396,4 @@ def test_flux_fused_weights_split_into_diffusers_layers_load_in_peft(kind, flux,
             want = comfy_part(ours, target) - comfy_part(patcher.model.state_dict(), target).float()
             assert float((got - want).norm() / want.norm()) <= TOLERANCE, module_name
             checked += 1
-    assert checked == 3 + 3 + 4 + 1  # img q/k/v, txt q/k/v, single q/k/v/mlp, img_mlp.0
+    assert checked == 3 + 3 + 4 + 1, sorted({k.rsplit(".lora", 1)[0] for k in keys})  # img/txt q/k/v, single q/k/v/mlp, img_mlp.0

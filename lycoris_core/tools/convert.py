@@ -96,16 +96,18 @@ def component_path(name: str) -> tuple[str, str] | None:
     return None
 
 
-def _diffusers_rank(name: str) -> tuple[int, int]:
+def _diffusers_rank(name: str) -> int:
     # CLIP's `text_model.` form first: what transformers 4 wrote, and diffusers reads it with transformers 5 too
-    # (lora_base._load_lora_into_text_encoder strips it when the model has no `text_model`).
-    return (0 if ".text_model." in name else 1), len(name)
+    # (lora_base._load_lora_into_text_encoder strips it when the model has no `text_model`). Otherwise the first
+    # name the key map lists wins: ComfyUI's tables give a layer's diffusers name first and other trainers'
+    # aliases for it after (Flux's `ff.net.0.proj`, then `ff.linear_in`).
+    return 0 if ".text_model." in name else 1
 
 
 def diffusers_names(key_map: Mapping) -> dict[str, str]:
     """ComfyUI weight key -> the name diffusers' save_lora_weights writes for it (`unet.…`, `transformer.…`,
     `text_encoder[_N].…`): among the names the model's key map gives the whole weight, a component's plain module
-    path (no PEFT wrapper, not ComfyUI's old `.processor.` attention names)."""
+    path (no PEFT wrapper, not ComfyUI's old `.processor.` attention names), the first listed."""
     names: dict[str, str] = {}
     for name, target in key_map.items():
         if not isinstance(name, str) or not isinstance(target, str) or ".processor." in name:
@@ -117,6 +119,22 @@ def diffusers_names(key_map: Mapping) -> dict[str, str]:
         if current is None or _diffusers_rank(name) < _diffusers_rank(current):
             names[target] = name
     return names
+
+
+# ComfyUI's Flux name table (comfy.utils.flux_to_diffusers) lists, from 0.33 on, Flux 2's single-block names
+# beside Flux 1's for the same weights (marked "# Flux 2" there): linear1 whole as `attn.to_qkv_mlp_proj` (Flux 1:
+# to_q/to_k/to_v/proj_mlp row parts), linear2 as `attn.to_out` (Flux 1: `proj_out`). Which ones diffusers' model
+# has depends on the model, so the names of the other generation are left out.
+FLUX2_SINGLE_BLOCK = (".attn.to_qkv_mlp_proj", ".attn.to_out")
+
+
+def for_flux_generation(key_map: Mapping, flux2: bool) -> dict:
+    """The key map without the single-block names of the other Flux generation (a no-op for other models)."""
+    def keep(name) -> bool:
+        if not isinstance(name, str) or "single_transformer_blocks." not in name:
+            return True
+        return name.endswith(FLUX2_SINGLE_BLOCK) == flux2
+    return {name: target for name, target in key_map.items() if keep(name)}
 
 
 def part_names(key_map: Mapping) -> dict[str, list[tuple[int, int, str]]]:
