@@ -56,6 +56,7 @@ class Planned:
     converted: convert.Converted
     applied: Applied
     rows: tuple[int, int] | None = None  # (start, length): this part of a fused weight's change (diffusers' names)
+    joined: tuple[Applied, ...] = ()  # kohya: the modules on row parts of one fused weight, written as one
 
 
 # --- the model's side: names, weights ----------------------------------------------------------------------------
@@ -110,12 +111,16 @@ def plan_modules(lfile: LycorisFile, model, clip, target: str) -> tuple[list[Pla
     taken: dict[tuple[str, str], str] = {}  # (name, parameter) -> the module key that took it
     progress = Progress(len(mapped.targets))
     parts = convert.part_names(key_map) if target == convert.DIFFUSERS else {}
+    fused: dict[str, list[tuple[str, Applied]]] = {}  # kohya: weight key -> the modules on its row parts
     for module_key, applied in mapped.targets.items():
         progress.step()
         if applied.target.offset is None and weight_key(applied) not in names and weight_key(applied) in parts:
             reason = _plan_parts(module_key, applied, parts[weight_key(applied)], model, clip, planned, taken)
             if reason is not None:
                 refused.append((module_key, reason))
+            continue
+        if target == convert.KOHYA and _is_row_part(applied) and weight_key(applied) in names:
+            fused.setdefault(weight_key(applied), []).append((module_key, applied))
             continue
         reason = _name_problem(applied, names, target)
         name = names.get(weight_key(applied))
@@ -130,7 +135,40 @@ def plan_modules(lfile: LycorisFile, model, clip, target: str) -> tuple[list[Pla
                 planned.append(Planned(module_key, name, result, applied))
         if reason is not None:
             refused.append((module_key, reason))
+    for key, members in fused.items():
+        reason = _join_parts(key, members, names[key], model, planned, taken)
+        refused += [(module_key, reason) for module_key, _a in members] if reason is not None else []
     return planned, refused
+
+
+def _is_row_part(applied: Applied) -> bool:
+    offset = applied.target.offset
+    return applied.target.side == "model" and offset is not None and offset[0] == 0 and (not isinstance(applied.target.patch_key, tuple)
+                                                      or len(applied.target.patch_key) == 2)
+
+
+def _join_parts(key: str, members: list[tuple[str, Applied]], name: str, model, planned: list[Planned],
+                taken: dict) -> str | None:
+    """kohya: the modules on row parts of one fused weight (diffusers' to_q/to_k/to_v of Flux's qkv) as one LoRA
+    on the whole weight (convert.join_rows: block rows, ranks side by side, exact)."""
+    if (name, "weight") in taken:
+        return ONE_NAME.format(other=taken[name, "weight"])
+    weight = comfy.utils.get_attr(model.model, key).detach()
+    pieces = []
+    for _module_key, applied in members:
+        if not convert.is_factored(applied.plan):
+            return (f"{applied.module.label} on part of the fused weight {key}: joining parts into kohya's one "
+                    f"weight needs each part's change as a low-rank product (not DoRA, OFT, ...)")
+        start, length = applied.target.offset[1], applied.target.offset[2]
+        change = module_change(applied.plan, applied.module.tensors, 1.0, weight.narrow(0, start, length), device())
+        pieces.append((start, change))
+    joined = convert.join_rows(pieces, tuple(weight.shape))
+    if isinstance(joined, str):
+        return joined
+    first_key, first = members[0]
+    taken[name, "weight"] = first_key
+    planned.append(Planned(first_key, name, joined, first, joined=tuple(a for _k, a in members)))
+    return None
 
 
 def _plan_parts(module_key: str, applied: Applied, parts: list[tuple[int, int, str]], model, clip,
@@ -155,12 +193,25 @@ def _plan_parts(module_key: str, applied: Applied, parts: list[tuple[int, int, s
 
 
 def source_change(p: Planned, model, clip) -> "torch.Tensor | convert.Factors":
-    """The source module's full-strength change, only the planned part's rows for a split module."""
+    """The source module's full-strength change, only the planned part's rows for a split module, the parts'
+    changes in their rows of the whole weight for joined ones."""
+    if p.joined:
+        weight = comfy.utils.get_attr(model.model, p.applied.target.key).detach()
+        whole = torch.zeros(weight.shape[0], weight[0].numel(), dtype=torch.float32, device=device())
+        for applied in p.joined:
+            start, length = applied.target.offset[1], applied.target.offset[2]
+            change = module_change(applied.plan, applied.module.tensors, 1.0, weight.narrow(0, start, length),
+                                   device())
+            dense = change.dense() if isinstance(change, convert.Factors) else change
+            whole[start:start + length] = dense.reshape(length, -1)
+        return whole
     change = module_change(p.applied.plan, p.applied.module.tensors, 1.0, weight_of(p.applied, model, clip), device())
     return change if p.rows is None else convert.rows_of(change, *p.rows)
 
 
 def part_weight(p: Planned, model, clip) -> torch.Tensor:
+    if p.joined:
+        return comfy.utils.get_attr(model.model, p.applied.target.key).detach()
     weight = weight_of(p.applied, model, clip)
     return weight if p.rows is None else weight.narrow(0, p.rows[0], p.rows[1])
 
@@ -233,6 +284,10 @@ def differences(planned: list[Planned], tensors: dict, metadata: dict, model, cl
     for p in planned:
         back = by_name.get((p.name, p.applied.module.param))
         rows = None if p.rows is None else [0, *p.rows]
+        if p.joined:
+            rows = None
+        elif p.rows is None and p.applied.target.offset is not None:
+            rows = _offset(p.applied)
         if back is None or back.target.key != p.applied.target.key or _offset(back) != rows:
             found[_check_key(p)] = "the written module does not read back onto the same weight"
             continue
@@ -269,7 +324,12 @@ def _checked(planned: list[Planned], model, clip, target: str, name: str) -> tup
             detail = difference if isinstance(difference, str) else f"relative difference {difference.of_change:.2e}"
             failed.setdefault(p.source_key, f"the converted module does not reproduce the change ({detail})")
     kept = [p for p in planned if p.source_key not in failed]  # a split module is written whole or not at all
-    return kept, list(failed.items())
+    refused = []
+    for p in planned:
+        if p.source_key in failed:
+            keys = [p.source_key] + [a.module.prefix + "." + a.module.param for a in p.joined[1:]]
+            refused += [(key, failed[p.source_key]) for key in keys if key not in dict(refused)]
+    return kept, refused
 
 
 @dataclass

@@ -104,10 +104,12 @@ def patched_by_our_loader(model, name) -> dict[str, torch.Tensor]:
     _, report = map_file(lfile, model, None, reference=False)
     weights = model.model.state_dict()
     out = {}
-    for applied in report.targets.values():
-        key = applied.target.key
-        w = weights[key].float()
-        out[key] = w + change(applied.plan, {k: t.float() for k, t in applied.module.tensors.items()}, w, 1.0)
+    for applied in report.targets.values():  # a module on rows of a fused weight changes those rows
+        key, offset = applied.target.key, applied.target.offset
+        patched = out.setdefault(key, weights[key].float().clone())
+        rows = patched if offset is None else patched.narrow(*offset)
+        w = (weights[key] if offset is None else weights[key].narrow(*offset)).float()
+        rows += change(applied.plan, {k: t.float() for k, t in applied.module.tensors.items()}, w, 1.0)
     return out
 
 
@@ -397,3 +399,29 @@ def test_flux_fused_weights_split_into_diffusers_layers_load_in_peft(kind, flux,
             assert float((got - want).norm() / want.norm()) <= TOLERANCE, module_name
             checked += 1
     assert checked == 3 + 3 + 4 + 1, sorted({k.rsplit(".lora", 1)[0] for k in keys})  # img/txt q/k/v, single q/k/v/mlp, img_mlp.0
+
+
+def test_flux_diffusers_layers_join_into_kohya_fused_weights(flux, loras):  # noqa: F811
+    """A PEFT LoRA on diffusers' Flux layers (saved by diffusers) to kohya: the parts of one fused weight (to_q,
+    to_k, to_v of qkv; also proj_mlp of linear1) become one LoRA on it, ranks side by side. ComfyUI's core loader
+    and ours patch the kohya file as ours patches the source."""
+    patcher, flux_twin, _ = flux
+    model = copy.deepcopy(flux_twin)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                 target_modules=["to_q", "to_k", "to_v", "proj_mlp", "add_k_proj", "ff.net.2"]))
+    FluxPipeline.save_lora_weights(str(loras), transformer_lora_layers=get_peft_model_state_dict(model),
+                                   weight_name="flux-peft.safetensors",
+                                   transformer_lora_adapter_metadata=model.peft_config["default"].to_dict())
+    written, report = convert("flux-peft.safetensors", "kohya", patcher, "flux/joined")
+    assert "not written" not in report and "parts of a fused weight joined" in report, report
+    keys = keys_of(loras / written)
+    assert "lora_unet_single_blocks_0_linear1.lora_up.weight" in keys
+    assert "lora_unet_double_blocks_0_txt_attn_qkv.lora_down.weight" in keys  # add_k_proj alone: rows 32..64
+    want = patched_by_our_loader(patcher, loras / "flux-peft.safetensors")
+    base = patcher.model.state_dict()
+    assert_same_changes(patched_by_our_loader(patcher, loras / written), want, base, "ours")
+    core = {}
+    sd = comfy.utils.load_torch_file(str(loras / written))
+    for key, patch in comfy.lora.load_lora(sd, comfy.lora.model_lora_keys_unet(patcher.model, {})).items():
+        core[key] = comfy.lora.calculate_weight([(1.0, patch, 1.0, None, None)], base[key].float().clone(), key)
+    assert_same_changes(core, want, base, "ComfyUI")

@@ -22,6 +22,7 @@ relative). The in-axis `dora_scale` (1, in, 1…) normalises columns: PEFT has n
 OFT, BOFT, (IA)³ and full diffs (LyCORIS' or PEFT's) have no form with the same maths on the other side: reported.
 """
 
+import itertools
 import json
 import re
 from collections import Counter
@@ -181,6 +182,27 @@ def row_part(converted: "Converted", start: int, length: int) -> "Converted":
         tensors[PEFT_MAGNITUDE] = (magnitude[start:start + length] if magnitude.ndim == 1
                                    else magnitude[:, start:start + length])
     return Converted(tensors, converted.rank, converted.alpha, converted.form + f" (rows {start}..{start + length})")
+
+
+def join_rows(pieces: list[tuple[int, "Factors"]], shape: tuple[int, ...]) -> "Converted | str":
+    """One LoRA for a fused weight from low-rank changes of its row parts (first row, Factors): up holds each
+    part's up in that part's rows and its own columns, down stacks the parts' downs, so up @ down is each part's
+    change in its rows and zero elsewhere (rows no part changes stay as they are). Scales are in the factors:
+    alpha = rank."""
+    spans = sorted((start, start + f.up.shape[0]) for start, f in pieces)
+    if any(a_end > b_start for (_a, a_end), (b_start, _b) in itertools.pairwise(spans)):
+        return "two modules change overlapping rows of this fused weight"
+    rank = sum(f.down.shape[0] for _s, f in pieces)
+    up = torch.zeros(shape[0], rank, dtype=torch.float32, device=pieces[0][1].up.device)
+    column = 0
+    for start, f in pieces:
+        up[start:start + f.up.shape[0], column:column + f.down.shape[0]] = f.up
+        column += f.down.shape[0]
+    down = torch.cat([f.down for _s, f in pieces], dim=0)
+    up_shape, down_shape = _factor_shapes(shape, rank)
+    return Converted({UP: up.cpu().reshape(up_shape), DOWN: down.cpu().reshape(down_shape),
+                      ALPHA: torch.tensor(float(rank), dtype=torch.float32)},
+                     rank, float(rank), f"lora of rank {rank} ({len(pieces)} parts of a fused weight joined)")
 
 
 # --- tensors ---------------------------------------------------------------------------------------------------------
