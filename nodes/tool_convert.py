@@ -265,7 +265,7 @@ class Difference:
 
     of_change: float
     of_weight: float
-    dora: bool  # either side normalises by ‖W + ΔW‖ (LyCORIS with ε = finfo.eps, PEFT without)
+    dora: bool  # either side normalises by norm(W + dW) (LyCORIS with eps = finfo.eps, PEFT without)
 
     def exact(self) -> bool:
         """Within fp32 rounding. DoRA's ε in the norm (LyCORIS', our loader's; PEFT has none) moves W' by
