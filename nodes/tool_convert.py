@@ -142,9 +142,10 @@ def plan_modules(lfile: LycorisFile, model, clip, target: str) -> tuple[list[Pla
 
 
 def _is_row_part(applied: Applied) -> bool:
-    offset = applied.target.offset
-    return applied.target.side == "model" and offset is not None and offset[0] == 0 and (not isinstance(applied.target.patch_key, tuple)
-                                                      or len(applied.target.patch_key) == 2)
+    """A module on rows of a diffusion-model weight, with no ComfyUI converter function in between."""
+    target = applied.target
+    converter = isinstance(target.patch_key, tuple) and len(target.patch_key) > 2 and target.patch_key[2] is not None
+    return target.side == "model" and target.offset is not None and target.offset[0] == 0 and not converter
 
 
 def _join_parts(key: str, members: list[tuple[str, Applied]], name: str, model, planned: list[Planned],
