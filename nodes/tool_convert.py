@@ -424,6 +424,7 @@ class LycorisConvert(io.ComfyNode):
                 "Writes a LyCORIS/LoRA file under kohya/LyCORIS names or under diffusers/PEFT names, exactly: the "
                 "model says which weight each module changes and what that weight is called. What the other side "
                 "cannot hold is listed with its reason, never dropped silently."),
+            is_output_node=True,
             inputs=[
                 lycoris_input(),
                 io.Combo.Input("target", options=list(convert.TARGETS), default=convert.DIFFUSERS,
@@ -437,19 +438,19 @@ class LycorisConvert(io.ComfyNode):
                 io.Combo.Input("on_unconvertible", options=[REPORT, ERROR], default=REPORT, optional=True,
                                tooltip="A module the target cannot hold exactly: leave it out and list it with the "
                                        "reason, or refuse the whole conversion."),
-                io.Combo.Input("save_dtype", options=list(DTYPES), default="keep", optional=True,
+                io.Combo.Input("dtype", options=list(DTYPES), default="keep", optional=True,
                                tooltip="keep: each tensor's own dtype (exact). fp16/bf16/fp32: cast (the rounding "
                                        "is reported per module)."),
-                output_name_input("converted/converted"),
+                output_name_input("lycoris/converted"),
                 overwrite_input(),
             ],
             outputs=report_outputs(),
         )
 
     @classmethod
-    def execute(cls, lycoris_name, target, model, clip=None, on_unconvertible=REPORT, save_dtype="keep",
-                output_name="converted/converted", overwrite=False) -> io.NodeOutput:
-        report = run(lycoris_path(lycoris_name), model, clip, target, on_unconvertible, save_dtype, output_name,
+    def execute(cls, lycoris_name, target, model, clip=None, on_unconvertible=REPORT, dtype="keep",
+                output_name="lycoris/converted", overwrite=False) -> io.NodeOutput:
+        report = run(lycoris_path(lycoris_name), model, clip, target, on_unconvertible, dtype, output_name,
                      overwrite)
         return report.node_output()
 

@@ -330,7 +330,7 @@ def test_save_dtype_casts_and_reports_the_rounding(sd15, twin, loras):  # noqa: 
     unet, _ = twin
     name = peft_file(unet, loras, "cast.safetensors", seed=2, save_format="diffusers", r=4, lora_alpha=4,
                      target_modules=LINEAR_TARGETS[:2])
-    written, report = convert(name, "kohya", model, "cast/bf16", save_dtype="bf16")
+    written, report = convert(name, "kohya", model, "cast/bf16", dtype="bf16")
     with safe_open(str(loras / written), "pt") as f:
         dtypes = {k: f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     assert {d for k, d in dtypes.items() if not k.endswith(".alpha")} == {torch.bfloat16}
