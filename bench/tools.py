@@ -3,6 +3,7 @@
     .venv/bin/python bench/tools.py             # the SDXL subset below, 3 repetitions (about 5 minutes on 2 cores)
     .venv/bin/python bench/tools.py --quick     # the four smallest shapes of the subset (about 1 minute)
     .venv/bin/python bench/tools.py --shapes all --repeats 5
+    .venv/bin/python bench/tools.py --threads 1  # on a shared machine (see --help)
 
 One process, CPU, the same weights for both sides. For every layer shape of the subset: a random fp16 base W (std
 0.02) and a tuned W_t = fp16(W + ΔW), ΔW a realistic fine-tune change: rank 64 with σᵢ ∝ 1/i, plus Gaussian noise of
@@ -335,11 +336,16 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", choices=("subset", "all"), default="subset",
                         help="'all': every distinct SDXL UNet shape (long: the core's full SVD of the big convs)")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions, at least 3")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's). 1 keeps the SVDs honest on a shared machine: with "
+                             "more threads than free cores, MKL's threads spin and LAPACK runs several times slower")
     parser.add_argument("--output", type=Path, default=None,
                         help="table file (default bench/results-tools.md; results-tools-quick.md for --quick)")
     opts = parser.parse_args(argv)
     if opts.repeats < 3:
         parser.error("--repeats: a spread needs at least 3 repetitions")
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     torch.set_grad_enabled(False)
     torch.manual_seed(0)  # the randomized SVD's test matrices
     load_before = os.getloadavg()[0]
