@@ -3,55 +3,25 @@
 import math
 from collections import defaultdict
 
-import comfy.model_management
-import comfy.model_patcher
 import torch
-from comfy.quant_ops import QuantizedTensor
 
 from ..lycoris_core import LycorisError, change_norms
 from ..lycoris_core.block_weights import BlockWeights
 from ..lycoris_core.blocks import block_of
 from ..lycoris_core.summary import summarize
-from . import gguf
 from .apply import Applied, ApplyReport, model_shapes
-from .bypass import layer_name
+from .patched import base_weight, unpatched_weight
 
 # Measuring the change costs about one patch pass over the touched weights; above this many weight elements the
 # loaders leave it to the LyCORIS Info node so a strength change stays quick.
 LOADER_MEASURE_BUDGET = 150_000_000
 
 
-def unpatched_weight(patcher, key: str) -> torch.Tensor:
-    """The weight as loaded, before any patch, whatever is in the module now. ComfyUI patches the shared module in
-    place and keeps the original in the patcher's `backup`, which clones share: the last loaded clone's patches
-    stay in the module until another clone loads (dynamic loading's force-loaded weights too). Hooks patched on
-    top keep the weight they replaced in `hook_backup`, the original unless a merged patch came first (then it is
-    in `backup`). An offloaded weight is patched in its forward (LowVramPatch) and stored as loaded."""
-    backup = patcher.backup.get(key)
-    if backup is not None:
-        return backup.weight
-    hooked = patcher.hook_backup.get(key)
-    if hooked is not None:
-        return hooked[0]
-    return comfy.model_patcher.get_key_weight(patcher.model, key)[0]
-
-
 def _weight_fp32(patcher, applied: Applied) -> torch.Tensor:
-    """The unpatched target weight as ComfyUI would patch it: an fp32 copy, dequantised, narrowed to the module's
-    slice. A packed GGUF weight is decoded by the GGUF pack (the patches it carries are not applied)."""
+    """The unpatched target weight as ComfyUI would patch it (patched.base_weight, on the weight's own device),
+    narrowed to the module's slice."""
     key = applied.target.key
-    weight = unpatched_weight(patcher, key)
-    _weight, _set, convert = comfy.model_patcher.get_key_weight(patcher.model, key)
-    if gguf.is_packed(weight):
-        temp = gguf.decoded(patcher.model.get_submodule(layer_name(key)), weight)
-    elif isinstance(weight, QuantizedTensor):  # a new plain tensor (as_subclass on its copy fails in inference mode)
-        temp = weight.dequantize().to(torch.float32)
-    else:
-        temp = comfy.model_management.cast_to_device(weight, weight.device, torch.float32, copy=True)
-        if gguf.is_gguf_tensor(temp):  # a GGUF F16 weight copies as its own class
-            temp = temp.as_subclass(torch.Tensor)
-    if convert is not None:
-        temp = convert(temp, inplace=True)
+    temp = base_weight(patcher, key, unpatched_weight(patcher, key).device)
     if applied.target.offset is not None:
         temp = temp.narrow(*applied.target.offset)
     return temp

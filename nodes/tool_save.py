@@ -17,7 +17,6 @@ import comfy.model_management
 import comfy.model_patcher
 import comfy.sd
 import torch
-from comfy.quant_ops import QuantizedTensor
 from comfy_api.latest import io
 
 from ..lycoris_core import LycorisError
@@ -32,12 +31,10 @@ from ..lycoris_core.tools.combine import (
     lora_module,
 )
 from ..lycoris_core.tools.metadata import ModuleRecord, tool_metadata
-from . import gguf
 from .adapter import LycorisAdapter
 from .apply import apply_file, lora_key_map, model_family, sources_of
-from .bypass import layer_name
 from .cache import load_cached
-from .report import unpatched_weight
+from .patched import base_weight
 from .tools_common import (
     CATEGORY,
     DTYPES,
@@ -134,25 +131,9 @@ def hooked_keys(patcher) -> list[str]:
     return sorted({key for patches in patcher.hook_patches.values() for key in patches})
 
 
-def base_weight(patcher, key: str, at: torch.device) -> torch.Tensor:
-    """W₀ as ComfyUI patches it: the weight before any patch (report.unpatched_weight), an fp32 copy on `at`,
-    dequantized or decoded, through ComfyUI's converter function when the weight has one."""
-    weight = unpatched_weight(patcher, key).detach()
-    _weight, _set, convert = comfy.model_patcher.get_key_weight(patcher.model, key)
-    if gguf.is_packed(weight):
-        temp = gguf.decoded(patcher.model.get_submodule(layer_name(key)), weight)
-    elif isinstance(weight, QuantizedTensor):
-        temp = weight.dequantize()
-    else:
-        temp = weight
-    temp = comfy.model_management.cast_to_device(temp, at, torch.float32, copy=True)
-    if gguf.is_gguf_tensor(temp):
-        temp = temp.as_subclass(torch.Tensor)
-    return convert(temp, inplace=True) if convert is not None else temp
-
-
 def applied_change(chain: Chain, w0: torch.Tensor) -> torch.Tensor:
-    """W − W₀: the merged patches through ComfyUI's calculate_weight (as loading does), then the bypass chain."""
+    """W − W₀: the merged patches through ComfyUI's calculate_weight (as loading does), then the bypass chain (as
+    patched.patched_weight, but for a chain already sorted into ours and others')."""
     weight = w0.clone()
     if chain.merged:
         weight = comfy.lora.calculate_weight(chain.merged, weight, chain.key, intermediate_dtype=torch.float32)
