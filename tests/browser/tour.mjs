@@ -106,14 +106,19 @@ async function thumbnails(page) {
         (cards) => {
             const out = {};
             for (const name of cards) {
-                const img = document.querySelector(`[data-testid="template-workflow-${name}"] img`);
-                if (!img || !img.complete) return { ok: false, waiting: name };
+                const card = document.querySelector(`[data-testid="template-workflow-${name}"]`);
+                const img = card?.querySelector("img");
+                if (!img || !img.complete) {
+                    // Cards below the fold load their picture lazily: show the card, as a user scrolling would.
+                    card?.scrollIntoView({ block: "center" });
+                    return { ok: false, waiting: name };
+                }
                 out[name] = { src: img.currentSrc || img.src, naturalWidth: img.naturalWidth };
             }
             return out;
         },
         names,
-        20000,
+        40000,
     );
 }
 
