@@ -27,7 +27,7 @@ import json
 import re
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -73,7 +73,6 @@ NO_KOHYA_FORM = {
 }
 IN_AXIS_DORA = ("DoRA on the input axis (LyCORIS' original dora_scale (1, in, 1...)): PEFT's magnitude is per "
                 "output row, a different weight decomposition")
-NOT_FACTORED = "no exact low-rank form of this algorithm with DoRA: PEFT's DoRA sits on a LoRA only"
 
 
 @dataclass(frozen=True)
@@ -247,15 +246,21 @@ def to_peft(module: Module, plan: Plan, shape: tuple[int, ...], weight: torch.Te
         return NO_PEFT_FORM[name]
     if name in NO_KOHYA_FORM or name.startswith("peft-"):
         return f"{module.label} is PEFT's own form; only LoRA converts between PEFT files here"
-    if not is_factored(plan):
-        return NOT_FACTORED if plan.dora_axis else f"{module.label} has no exact low-rank form"
-    change = factored_change(plan, module.tensors, 1.0, weight, device)
+    if plan.dora_axis is not None and plan.dora_axis != OUT:
+        return IN_AXIS_DORA
+    bare = replace(plan, dora_axis=None)  # an out-axis DoRA normalises W + dW whatever form dW has: PEFT's DoRA
+    if not is_factored(bare):
+        return f"{module.label} has no exact low-rank form"
+    change = factored_change(bare, module.tensors, 1.0, weight, device)
     rank = change.down.shape[0]
     up_shape, down_shape = _factor_shapes(shape, rank)
     dtype = next(iter(module.tensors.values())).dtype
-    return Converted({LORA_A: change.down.to("cpu", dtype).reshape(down_shape),
-                      LORA_B: change.up.to("cpu", dtype).reshape(up_shape)},
-                     rank, float(rank), f"lora of rank {rank} (exact form of {module.label})")
+    tensors = {LORA_A: change.down.to("cpu", dtype).reshape(down_shape),
+               LORA_B: change.up.to("cpu", dtype).reshape(up_shape)}
+    if plan.dora_axis is not None:
+        tensors[PEFT_MAGNITUDE] = peft_magnitude(module.tensors[DORA_SCALE], shape)
+    return Converted(tensors, rank, float(rank),
+                     f"lora of rank {rank}{'+dora' if plan.dora_axis else ''} (exact form of {module.label})")
 
 
 def with_identity_magnitude(converted: Converted, change: "Factors | torch.Tensor", weight: torch.Tensor,
