@@ -144,3 +144,14 @@ class AdapterErrors(logging.Filter):
 
 ADAPTER_ERRORS = AdapterErrors()
 logging.getLogger().addFilter(ADAPTER_ERRORS)
+
+
+def table(rows: list[Row], other: str) -> list[str]:
+    """The results table every bench writes: one line per row, `other` naming the side we are compared with."""
+    lines = [f"| row | ours | {other} | ratio | range | n | goal | status | notes |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "n/a" if r.ratio is None else f"{r.ratio:.3f}"
+        lines.append(f"| {r.name} | {r.cell(r.ours_runs)} | {r.cell(r.builtin_runs)} | {ratio} | {r.ratio_range} "
+                     f"| {len(r.ours_runs)} | {r.goal} | {r.status} | {r.note} |")
+    return lines

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness import ADAPTER_ERRORS, BENCH, Row, median, timed  # isort: skip (first: it sets up ComfyUI in CPU mode)
+from harness import ADAPTER_ERRORS, BENCH, Row, median, table, timed  # isort: skip (first: it sets up ComfyUI in CPU mode)
 
 import adapter_files as files
 import comfy.lora
@@ -571,13 +571,8 @@ def write_table(rows: list[Row], opts, machine: Machine, spent: tuple[float, flo
          "of the medians, range = the lowest and highest ratio of one repetition (the two sides measured in turn). "
          "'within noise': the goal lies inside that range."),
         "",
-        "| row | ours | built-in | ratio | range | n | goal | status | notes |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        ratio = "n/a" if r.ratio is None else f"{r.ratio:.3f}"
-        lines.append(f"| {r.name} | {r.cell(r.ours_runs)} | {r.cell(r.builtin_runs)} | {ratio} | {r.ratio_range} "
-                     f"| {len(r.ours_runs)} | {r.goal} | {r.status} | {r.note} |")
+    lines += table(rows, "built-in")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return str(path)
 

@@ -45,7 +45,7 @@ from pathlib import Path
 import harness  # noqa: F401  (first: ComfyUI on sys.path in CPU mode, the pack importable)
 import torch
 from comfy_extras.nodes_lora_extract import extract_lora
-from harness import BENCH, Row
+from harness import BENCH, Row, table
 from lycoris_nodes.lycoris_core import load
 from lycoris_nodes.lycoris_core.tools import lowrank
 from lycoris_nodes.lycoris_core.tools.changes import module_change
@@ -320,13 +320,8 @@ def write_table(rows: list[Row], subset: list[Layer], command: str, minutes: flo
          "range; ratio = ours/core of the medians, range = lowest and highest ratio of one repetition. Error rows: "
          "the pooled relative error, ratio = ours/core. 'within noise': the goal lies inside the range."),
         "",
-        "| row | ours | core | ratio | range | n | goal | status | notes |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        ratio = "n/a" if r.ratio is None else f"{r.ratio:.3f}"
-        lines.append(f"| {r.name} | {r.cell(r.ours_runs)} | {r.cell(r.builtin_runs)} | {ratio} | {r.ratio_range} "
-                     f"| {len(r.ours_runs)} | {r.goal} | {r.status} | {r.note} |")
+    lines += table(rows, "core")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 

@@ -66,6 +66,11 @@ def lycoris_file(unet, folder, name, seed, **options) -> str:
     finally:
         LycorisNetwork.apply_preset({"name_algo_map": {}})
     network.apply_to()  # registers the modules it saves; restored below (the UNet's weights are never touched)
+    return randomized_save(network, folder, name, seed)
+
+
+def randomized_save(network, folder, name: str, seed: int) -> str:
+    """A network's own save_weights after random factors (a trained-looking file), its modules then taken off."""
     torch.manual_seed(seed)
     for param_name, param in network.named_parameters():
         if "dora_scale" in param_name:  # starts at ‖W‖: move it so the file carries a magnitude change
@@ -357,15 +362,7 @@ def kohya_flux_file(diffusion_model, folder, name, seed, **options) -> str:
     network = kohya.create_network(1.0, 4, 2.0, None, None, diffusion_model, warn_on_unmatched=False,
                                    preset=str(preset), **options)
     network.apply_to(None, diffusion_model, apply_text_encoder=False, apply_unet=True)
-    torch.manual_seed(seed)
-    for param_name, param in network.named_parameters():
-        if "dora_scale" in param_name:
-            param.data.mul_(1 + 0.1 * torch.rand_like(param))
-        else:
-            param.data = torch.randn_like(param) * 0.05
-    network.save_weights(str(folder / name), torch.float32, {})
-    network.restore()
-    return name
+    return randomized_save(network, folder, name, seed)
 
 
 FLUX_SOURCES = {"lora": {"algo": "locon"}, "dora": {"algo": "locon", "dora_wd": True}}
