@@ -100,26 +100,24 @@ async function openTemplates(page, category) {
 }
 
 async function thumbnails(page) {
-    return waitFor(
-        page,
-        "every template card's thumbnail to finish loading",
-        (cards) => {
-            const out = {};
-            for (const name of cards) {
-                const card = document.querySelector(`[data-testid="template-workflow-${name}"]`);
-                const img = card?.querySelector("img");
-                if (!img || !img.complete) {
-                    // Cards below the fold load their picture lazily: show the card, as a user scrolling would.
-                    card?.scrollIntoView({ block: "center" });
-                    return { ok: false, waiting: name };
-                }
-                out[name] = { src: img.currentSrc || img.src, naturalWidth: img.naturalWidth };
-            }
-            return out;
-        },
-        names,
-        40000,
-    );
+    // Ten cards do not fit the dialog, and the frontend loads a card's picture only while it is in view (and may drop
+    // it again once scrolled away): visit each card as a user scrolling would, and check its picture there.
+    const out = {};
+    for (const name of names) {
+        await page.locator(`[data-testid="template-workflow-${name}"]`).first().scrollIntoViewIfNeeded();
+        out[name] = await waitFor(
+            page,
+            `the ${name} card's thumbnail to finish loading`,
+            (card) => {
+                const img = document.querySelector(`[data-testid="template-workflow-${card}"]`)?.querySelector("img");
+                if (!img || !img.complete) return { ok: false, waiting: card };
+                return { src: img.currentSrc || img.src, naturalWidth: img.naturalWidth };
+            },
+            name,
+            20000,
+        );
+    }
+    return out;
 }
 
 /** Close every dialog over the graph (Escape, else its close button); return their titles. */
