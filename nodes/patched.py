@@ -34,7 +34,7 @@ def unpatched_weight(patcher, key: str) -> torch.Tensor:
 def base_weight(patcher, key: str, device: torch.device) -> torch.Tensor:
     """W₀ as ComfyUI patches it: a fresh fp32 copy on `device`, a packed GGUF weight decoded by the GGUF pack, a
     quantized one dequantized, through ComfyUI's converter function when the weight has one."""
-    weight = unpatched_weight(patcher, key).detach()
+    weight = unpatched_weight(patcher, key)  # no detach(): an inference tensor refuses it (no_grad suffices)
     _weight, _set, convert = comfy.model_patcher.get_key_weight(patcher.model, key)
     if gguf.is_packed(weight):
         weight = gguf.decoded(patcher.model.get_submodule(layer_name(key)), weight)
