@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import comfy.model_base
 import comfy.sd
 import comfy.utils
-import folder_paths
 import torch
 from comfy_api.latest import io
 
@@ -30,8 +29,10 @@ from .tools_common import (
     CATEGORY,
     Progress,
     ToolReport,
+    checkpoint,
     device,
     file_names,
+    input_path,
     output_name_input,
     overwrite_input,
     report_outputs,
@@ -474,26 +475,14 @@ def add_arguments(parser) -> None:
                              "e.g. a Flux transformer): text-encoder modules are then reported, not written")
     parser.add_argument("-o", "--output", required=True, help="output name in the loras folder")
     parser.add_argument("--on-unconvertible", choices=[REPORT, ERROR], default=REPORT)
-    parser.add_argument("--save-dtype", choices=list(DTYPES), default="keep")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="keep", help="keep: each tensor in its own dtype")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
-
-
-def input_path(name: str, folder: str) -> str:
-    """A path as given, else a name in ComfyUI's `folder`; LycorisError when neither exists."""
-    if os.path.isfile(name):
-        return name
-    found = folder_paths.get_full_path(folder, name)
-    if found is None:
-        raise LycorisError(f"no such file (neither a path nor a name in the {folder} folder)", file=name)
-    return found
 
 
 def run_cli(args) -> ToolReport:
     if args.diffusion_model_only:
-        model, clip = comfy.sd.load_diffusion_model(input_path(args.checkpoint, "diffusion_models")), None
+        model, clip = comfy.sd.load_diffusion_model(input_path("diffusion_models", args.checkpoint)), None
     else:
-        checkpoint = input_path(args.checkpoint, "checkpoints")
-        model, clip, _vae, _ = comfy.sd.load_checkpoint_guess_config(checkpoint, output_vae=False,
-                                                                      output_clipvision=False)
-    return run(input_path(args.file, "loras"), model, clip, args.target, args.on_unconvertible, args.save_dtype,
+        model, clip = checkpoint(args.checkpoint)
+    return run(input_path("loras", args.file), model, clip, args.target, args.on_unconvertible, args.dtype,
                args.output, args.overwrite)

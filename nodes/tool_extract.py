@@ -72,12 +72,7 @@ def not_saved_text_weight(config, key: str, state_dict: dict) -> bool:
 
 def checkpoint_base(name: str, with_clip: bool):
     """(MODEL, CLIP or None) of a checkpoint in the checkpoints folder, by ComfyUI's own loader."""
-    import comfy.sd
-
-    path = folder_paths.get_full_path_or_raise("checkpoints", name)
-    model, clip, _vae, _ = comfy.sd.load_checkpoint_guess_config(
-        path, output_vae=False, output_clip=with_clip,
-        embedding_directory=folder_paths.get_folder_paths("embeddings"))
+    model, clip = tools_common.checkpoint(name, with_clip)
     if with_clip and clip is None:
         raise LycorisError("this checkpoint holds no text encoder to compare the CLIP with", file=name)
     return model, clip
@@ -264,20 +259,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing file of that name")
 
 
-def _checkpoint(name: str, with_clip: bool):
-    import os
-
-    import comfy.sd
-
-    path = name if os.path.isfile(name) else folder_paths.get_full_path("checkpoints", name)
-    if path is None:
-        raise LycorisError("no such checkpoint (neither a path nor a name in the checkpoints folder)", file=name)
-    model, clip, _vae, _ = comfy.sd.load_checkpoint_guess_config(
-        path, output_vae=False, output_clip=with_clip,
-        embedding_directory=folder_paths.get_folder_paths("embeddings"))
-    return model, clip
-
-
 def run_cli(args) -> ToolReport:
     value = args.value if args.value is not None else (args.rank if args.mode == "fixed" else None)
     if value is None and args.mode != "full":
@@ -286,8 +267,8 @@ def run_cli(args) -> ToolReport:
                            not args.no_bias, args.factor)
     check_output(args.output, args.overwrite)
     with_clip = not args.no_text_encoder
-    tuned, tuned_clip = _checkpoint(args.tuned, with_clip)
-    base, base_clip = _checkpoint(args.base, with_clip)
+    tuned, tuned_clip = tools_common.checkpoint(args.tuned, with_clip)
+    base, base_clip = tools_common.checkpoint(args.base, with_clip)
     parts = [Side("diffusion model", tuned, base, False, args.base)]
     if tuned_clip is not None and base_clip is not None:
         parts.append(Side("text encoder", tuned_clip.patcher, base_clip.patcher, True, args.base,

@@ -9,7 +9,6 @@ import argparse
 import functools
 from collections.abc import Mapping
 
-import comfy.sd
 from comfy_api.latest import io
 
 from ..lycoris_core import LycorisError, LycorisFile
@@ -25,6 +24,7 @@ from .tools_common import (
     DTYPES,
     Progress,
     ToolReport,
+    checkpoint,
     device,
     dtype_input,
     input_path,
@@ -192,7 +192,6 @@ def run_cli(args: argparse.Namespace) -> ToolReport:
     settings, text = settings_for(args.rule, args.rank, args.value, args.dtype, args.tucker)
     model = clip = None
     if args.checkpoint:
-        model, clip, _vae, _ = comfy.sd.load_checkpoint_guess_config(
-            input_path("checkpoints", args.checkpoint), output_vae=False, output_clipvision=False)
+        model, clip = checkpoint(args.checkpoint)
     return run(input_path("loras", args.file), model, clip, settings, SKIP if args.skip_missing_base else ERROR,
                args.output, args.overwrite, text)

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import comfy.lora
 import comfy.model_management
 import comfy.model_patcher
-import comfy.sd
 import torch
 from comfy_api.latest import io
 
@@ -40,6 +39,7 @@ from .tools_common import (
     DTYPES,
     Progress,
     ToolReport,
+    checkpoint,
     device,
     dtype_input,
     file_names,
@@ -343,7 +343,7 @@ def run_cli(args: argparse.Namespace) -> ToolReport:
     weights = parse(args.block_weights) if args.block_weights.strip() else BlockWeights()
     specs = [lora_spec(text) for text in args.lora]
     paths = [input_path("loras", name) for name, _, _ in specs]
-    model, clip, _vae, _ = comfy.sd.load_checkpoint_guess_config(input_path("checkpoints", args.checkpoint))
+    model, clip = checkpoint(args.checkpoint)
     for path, (_, strength_model, strength_clip) in zip(paths, specs):
         model, clip, _report = apply_file(load_cached(path), model, clip, strength_model, strength_clip, False,
                                           weights, "merge")

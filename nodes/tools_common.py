@@ -40,6 +40,17 @@ def input_path(folder: str, name: str) -> str:
     raise LycorisError(f"no such file in the {folder} folder, nor as a path", file=name)
 
 
+def checkpoint(name: str, with_clip: bool = True) -> tuple:
+    """(MODEL, CLIP or None) of a checkpoint by name in the checkpoints folder or by path, loaded by ComfyUI's own
+    loader without its VAE (the command line's --checkpoint)."""
+    import comfy.sd  # pulls in every model definition: only the command line needs it
+
+    model, clip, _vae, _ = comfy.sd.load_checkpoint_guess_config(
+        input_path("checkpoints", name), output_vae=False, output_clip=with_clip, output_clipvision=False,
+        embedding_directory=folder_paths.get_folder_paths("embeddings"))
+    return model, clip
+
+
 def loras_folders() -> list[Path]:
     return [Path(p).resolve() for p in folder_paths.get_folder_paths("loras")]
 
