@@ -6,18 +6,26 @@ module paths under more prefixes: bare (`get_peft_model_state_dict`), `unet.` / 
 (`save_lora_weights`), `base_model.model.` (PEFT's `save_pretrained`), and a pipeline prefix with PEFT's wrapper
 (`text_encoder.base_model.model.`). Every name here comes from a converter ComfyUI already uses for this model
 (`comfy.utils.unet_to_diffusers`, and the `*_to_diffusers` maps behind its `transformer.` entries) or from the
-text-encoder entries of `model_lora_keys_clip`, never from a table of our own.
+text-encoder entries of `model_lora_keys_clip`, never from a table of our own. For the DiTs ComfyUI has no
+converter for (Wan, HunyuanVideo, LTX-Video, ...), the names come from diffusers' own single-file converters, run
+on ComfyUI's model by scripts/derive_diffusers_names.py into diffusers_names.json beside this file.
 
 A name two of our sources give different weights is left out, and ComfyUI's own entry always wins: a name that
 does not map is reported, a name mapped to the wrong weight would be applied silently.
 """
 
+import functools
+import json
 import re
+from pathlib import Path
 
 import comfy.utils
 
 UNET_PREFIXES = ("", "unet.", "base_model.model.", "unet.base_model.model.")
 DIT_PREFIXES = ("", "transformer.", "base_model.model.")
+# diffusers paths with dots as underscores after a prefix: the LyCORIS wrapper's `lycoris_` (SimpleTuner's
+# lora_type=lycoris, as ComfyUI's own map writes it for Flux/SD3) and OneTrainer's legacy `lora_transformer_`.
+DIT_UNDERSCORED_PREFIXES = ("lycoris_", "lora_transformer_")
 # The prefixes under which ComfyUI itself lists a DiT's diffusers names; their paths are the modules we re-prefix.
 DIT_SOURCES = ("transformer.", "base_model.model.", "unet.base_model.model.")
 TEXT_ENCODER_PIPE_PREFIXES = ("text_encoder.", "text_encoder_2.", "text_encoder_3.")
@@ -48,6 +56,50 @@ def unet_module_paths(model) -> dict[str, str]:
         return {}
     return {name[: -len(WEIGHT)]: f"diffusion_model.{key}"
             for name, key in comfy.utils.unet_to_diffusers(config).items() if name.endswith(WEIGHT)}
+
+
+DIFFUSERS_NAMES = Path(__file__).with_name("diffusers_names.json")
+BLOCK_INDEX = re.compile(r"\\\{(\d+)\\\}")  # `{0}` as re.escape writes it
+
+
+@functools.cache
+def _converter_rules() -> dict[str, list[tuple[re.Pattern, str, tuple | None]]]:
+    """image_model -> (ComfyUI path pattern, diffusers path template, rows as (start, count, of) or None)."""
+    table = json.loads(DIFFUSERS_NAMES.read_text(encoding="utf-8"))["architectures"]
+    rules: dict[str, list] = {}
+    for arch in table.values():
+        for rule in arch["rules"]:
+            pattern = re.compile(BLOCK_INDEX.sub(r"(\\d+)", re.escape(rule["comfy"] + WEIGHT)))
+            rows = tuple(rule["rows"]) if rule["rows"] else None
+            rules.setdefault(arch["image_model"], []).append((pattern, rule["diffusers"], rows))
+    return rules
+
+
+def converted_module_paths(model) -> list[tuple[str, object]]:
+    """diffusers module path -> ComfyUI weight key (or (key, rows) for a part of a fused weight), by the rules
+    diffusers' converters give for this architecture ([] for one they were not run on)."""
+    config = getattr(getattr(model, "model_config", None), "unet_config", None) or {}
+    rules = _converter_rules().get(config.get("image_model"), ())
+    if not rules:
+        return []
+    prefix = "diffusion_model."
+    paths = []
+    for key, tensor in model.state_dict().items():
+        if not (key.startswith(prefix) and key.endswith(WEIGHT)):
+            continue
+        for pattern, template, rows in rules:
+            match = pattern.fullmatch(key, len(prefix))
+            if match is None:
+                continue
+            target = key
+            if rows is not None:
+                start, count, whole = rows
+                total = tensor.shape[0]
+                if total % whole:
+                    continue  # rows that do not divide as the converter splits them: not this layout
+                target = (key, (0, start * total // whole, count * total // whole))
+            paths.append((template.format(*match.groups()), target))
+    return paths
 
 
 def dit_module_paths(comfy_map: dict) -> list[tuple[str, object]]:
@@ -91,8 +143,10 @@ def diffusion_model_names(model, comfy_map: dict) -> dict:
     unet = unet_module_paths(model)
     candidates = [(prefix + path, key) for path, key in unet.items() for prefix in UNET_PREFIXES]
     if not unet:
-        candidates += [(prefix + path, target) for path, target in dit_module_paths(comfy_map)
-                       for prefix in DIT_PREFIXES]
+        paths = dit_module_paths(comfy_map) + converted_module_paths(model)
+        candidates += [(prefix + path, target) for path, target in paths for prefix in DIT_PREFIXES]
+        candidates += [(prefix + path.replace(".", "_"), target) for path, target in paths
+                       for prefix in DIT_UNDERSCORED_PREFIXES]
     candidates += fused_part_names(comfy_map)
     return _merged(candidates)
 

@@ -1,0 +1,273 @@
+"""Derive nodes/diffusers_names.json: which diffusers module is which ComfyUI weight (or rows of one), per architecture.
+
+ComfyUI has name converters for SD, SD3, Flux, AuraFlow, PixArt and Z-Image, but none for Wan, HunyuanVideo,
+LTX-Video, Mochi and the other video models, whose adapters diffusers, PEFT and SimpleTuner name by the diffusers
+module path (`transformer.blocks.0.attn1.to_q`). diffusers' own single-file converters
+(`diffusers.loaders.single_file_utils.convert_*_to_diffusers`) turn an original checkpoint into diffusers names. This
+script runs them, never a table of our own: it builds ComfyUI's model on the meta device, hands the converter one
+small tensor per weight whose values tag (weight, row), and reads back where every row went. A diffusers weight
+that is a whole ComfyUI weight, or one contiguous block of its rows (diffusers splits HunyuanVideo's fused qkv), is
+recorded; one the converter reorders (swapped scale/shift halves) is recorded as converted and left unmapped.
+
+Block indices are generalised: the model is built with a few blocks per stack, and a number in a path that takes
+every value from 0 up across keys that are otherwise alike is a block index (`{0}` in the rule); the others
+(`ffn.0`, `to_out.0`) stay literal. Row parts are fractions of the fused weight's rows, so they hold at any width.
+
+    COMFY=0.33 .venv-0.33/bin/python scripts/derive_diffusers_names.py          # rewrite the table
+    COMFY=0.33 .venv-0.33/bin/python scripts/derive_diffusers_names.py --check  # exit 1 if it is not current
+
+tests/test_diffusers_names.py runs the check, and applies the rules to models of other depths and widths than the
+ones traced here, against the converter's own output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+TABLE = ROOT / "nodes" / "diffusers_names.json"
+WEIGHT = ".weight"
+ROW_TAG = 1 << 20  # tag = (weight number) * ROW_TAG + row; float64 holds it exactly
+
+
+@dataclass
+class Arch:
+    """One architecture: ComfyUI's model for it (supported_models class and config) and diffusers' converter."""
+    name: str
+    supported: str  # comfy.supported_models class
+    config: dict
+    converter: str  # diffusers.loaders.single_file_utils function
+    # ComfyUI renames some original checkpoint names when it loads them (its process_unet_state_dict); the
+    # converter reads the original names, so the trace starts from them.
+    original_from_comfy_map: bool = False
+    # The dataclass that takes the config, where older ComfyUIs take fewer fields (0.3.75's HunyuanVideo has no
+    # meanflow_sum): fields it lacks are left out.
+    params: str | None = None
+    # diffusers' model for this architecture (class in diffusers, config overrides): a traced name that is no
+    # module of it is dropped (ComfyUI's HunyuanVideo keeps no original name for a few embedders, so what the trace
+    # starts from there is ComfyUI's own name, which the converter passes through unrenamed).
+    diffusers_model: tuple[str, dict] = ("", {})
+
+
+def _wan(**extra) -> dict:
+    return {"image_model": "wan2.1", "model_type": "t2v", "dim": 64, "ffn_dim": 128, "freq_dim": 32, "text_dim": 32,
+            "num_heads": 4, "num_layers": 3, "in_dim": 16, "out_dim": 16, "patch_size": (1, 2, 2),
+            "window_size": (-1, -1), "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6, **extra}
+
+
+def _hunyuan_video(**extra) -> dict:
+    # hidden_size 3072 as in the released model: diffusers' converter splits single blocks' linear1 at 3072 rows
+    return {"image_model": "hunyuan_video", "in_channels": 16, "patch_size": [1, 2, 2], "out_channels": 16,
+            "vec_in_dim": 768, "axes_dim": [16, 56, 56], "meanflow": False, "context_in_dim": 4096,
+            "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": 3, "depth_single_blocks": 3,
+            "theta": 256, "qkv_bias": True, "byt5": False, "guidance_embed": True,
+            "use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False, **extra}
+
+
+def _ltxv(**extra) -> dict:
+    return {"image_model": "ltxv", "num_layers": 3, "attention_head_dim": 8, "cross_attention_dim": 64,
+            "num_attention_heads": 4, "in_channels": 16, "out_channels": 16, "caption_channels": 32, **extra}
+
+
+ARCHS: list[Arch] = [
+    Arch("wan", "WAN21_T2V", _wan(), "convert_wan_transformer_to_diffusers",
+         diffusers_model=("WanTransformer3DModel", {"num_layers": 3})),
+    Arch("wan-i2v", "WAN21_I2V", _wan(model_type="i2v", in_dim=36), "convert_wan_transformer_to_diffusers",
+         diffusers_model=("WanTransformer3DModel", {"num_layers": 3, "image_dim": 1280, "added_kv_proj_dim": 5120})),
+    Arch("wan-vace", "WAN21_Vace", _wan(model_type="vace", vace_layers=2, vace_in_dim=96),
+         "convert_wan_transformer_to_diffusers",
+         diffusers_model=("WanVACETransformer3DModel", {"num_layers": 3, "vace_layers": [0, 2]})),
+    Arch("hunyuan-video", "HunyuanVideo", _hunyuan_video(), "convert_hunyuan_video_transformer_to_diffusers",
+         original_from_comfy_map=True, params="comfy.ldm.hunyuan_video.model.HunyuanVideoParams",
+         diffusers_model=("HunyuanVideoTransformer3DModel", {"num_layers": 3, "num_single_layers": 3})),
+    Arch("ltxv", "LTXV", _ltxv(), "convert_ltx_transformer_checkpoint_to_diffusers",
+         diffusers_model=("LTXVideoTransformer3DModel", {"num_layers": 3})),
+]
+
+
+def _comfy():
+    from comfy_env import setup_comfy
+    setup_comfy()
+    import comfy.lora
+    import comfy.supported_models
+    return comfy
+
+
+def meta_model(arch: Arch, config: dict | None = None):
+    comfy = _comfy()
+    cls = getattr(comfy.supported_models, arch.supported)
+    config = dict(config or arch.config)
+    if arch.params:
+        module, name = arch.params.rsplit(".", 1)
+        accepted = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
+        config = {k: v for k, v in config.items() if k in accepted or k == "image_model"}
+    return cls(config).get_model({}, "", device="meta")
+
+
+def comfy_weights(model) -> dict[str, tuple[int, ...]]:
+    """ComfyUI's diffusion-model weight keys (without `diffusion_model.`) and shapes."""
+    prefix = "diffusion_model."
+    return {k[len(prefix):]: tuple(v.shape) for k, v in model.state_dict().items()
+            if k.startswith(prefix) and k.endswith(WEIGHT)}
+
+
+def original_names(arch: Arch, model, weights) -> dict[str, str]:
+    """ComfyUI path -> the original checkpoint's name the converter reads. Where ComfyUI renames on load, the
+    originals are its own `transformer.<original path>` key-map entries (HunyuanVideo's diffusion-pipe names), each
+    checked the way ComfyUI loads: its renaming of the original name must give the ComfyUI name back."""
+    if not arch.original_from_comfy_map:
+        return {path: path for path in weights}
+    comfy = _comfy()
+    config = model.model_config
+    originals = {}
+    for name, target in comfy.lora.model_lora_keys_unet(model, {}).items():
+        if isinstance(name, str) and isinstance(target, str) and name.startswith("transformer."):
+            path, original = target[len("diffusion_model."):], name[len("transformer."):] + WEIGHT
+            if path in weights and list(config.process_unet_state_dict({original: None})) == [path]:
+                originals.setdefault(path, original)
+    return originals
+
+
+def trace(arch: Arch, config: dict | None = None) -> dict[str, object]:
+    """diffusers weight name -> (ComfyUI path, row start, row count, rows of the whole) or "converted"."""
+    import torch
+    from diffusers.loaders import single_file_utils
+
+    model = meta_model(arch, config)
+    weights = comfy_weights(model)
+    originals = original_names(arch, model, weights)
+    ids = {path: i + 1 for i, path in enumerate(sorted(originals))}
+    checkpoint = {}
+    for path, orig in originals.items():
+        rows = weights[path][0]
+        tags = ids[path] * ROW_TAG + torch.arange(rows, dtype=torch.float64)
+        checkpoint[orig] = tags.reshape(rows, *([1] * (len(weights[path]) - 1)))
+    by_id = {i: path for path, i in ids.items()}
+    converted = getattr(single_file_utils, arch.converter)(checkpoint)
+    found: dict[str, object] = {}
+    for name, tensor in converted.items():
+        if not name.endswith(WEIGHT) or not isinstance(tensor, torch.Tensor) or tensor.ndim == 0:
+            continue
+        flat = tensor.reshape(tensor.shape[0], -1)
+        if flat.shape[1] != 1 or flat.min() < ROW_TAG:
+            found[name] = "converted"
+            continue
+        tags = flat[:, 0].to(torch.int64)
+        weight, rows = int(tags[0]) // ROW_TAG, tags % ROW_TAG
+        path = by_id.get(weight)
+        contiguous = torch.equal(tags // ROW_TAG, torch.full_like(tags, weight)) and torch.equal(
+            rows, torch.arange(int(rows[0]), int(rows[0]) + len(rows)))
+        if path is None or not contiguous:
+            found[name] = "converted"
+            continue
+        found[name] = (path, int(rows[0]), len(rows), weights[path][0])
+    return found
+
+
+def block_stacks(model) -> set[str]:
+    """Paths of the model's block lists (nn.ModuleList): the number after one is a block index."""
+    import torch
+    prefix = "diffusion_model."
+    return {name[len(prefix):] for name, module in model.named_modules()
+            if isinstance(module, torch.nn.ModuleList) and name.startswith(prefix)}
+
+
+def _indexed(path: str, stacks: set[str]) -> tuple[str, list[str]]:
+    """`blocks.3.ffn.0` -> (`blocks.{0}.ffn.0`, ["3"])."""
+    parts, values = path.split("."), []
+    for i in range(1, len(parts)):
+        if parts[i].isdigit() and ".".join(parts[:i]) in stacks:
+            values.append(parts[i])
+            parts[i] = "{%d}" % (len(values) - 1)
+    return ".".join(parts), values
+
+
+def _candidates(name: str, values: list[str]) -> list[str]:
+    """Every way of writing the numbers `values` of the diffusers name as {0}, {1}, ... in order."""
+    parts = name.split(".")
+    def place(start: int, n: int) -> list[list[str]]:
+        if n == len(values):
+            return [parts[start:]]
+        return [parts[start:i] + ["{%d}" % n] + rest for i in range(start, len(parts)) if parts[i] == values[n]
+                for rest in place(i + 1, n + 1)]
+    return [".".join(c) for c in place(0, 0)]
+
+
+def generalise(found: dict[str, object], stacks: set[str]) -> tuple[list[dict], list[str]]:
+    """Rules {comfy, diffusers, rows} with block indices as {0}, {1}, and the names the converter reorders. A rule
+    is kept only when writing it out for every block gives exactly the traced names."""
+    groups: dict[tuple, list[tuple[list[str], str]]] = {}
+    converted = set()
+    for name, value in found.items():
+        if value == "converted":
+            converted.add(re.sub(r"(?<=\.)\d+(?=\.)", "#", name[: -len(WEIGHT)]))
+            continue
+        path, start, count, total = value
+        comfy_template, values = _indexed(path[: -len(WEIGHT)], stacks)
+        g = math.gcd(start, count, total)
+        rows = None if (start, count) == (0, total) else (start // g, count // g, total // g)
+        groups.setdefault((comfy_template, rows), []).append((values, name[: -len(WEIGHT)]))
+    rules = []
+    for (comfy_template, rows), members in groups.items():
+        fits = [t for t in _candidates(members[0][1], members[0][0])
+                if all(t.format(*values) == name for values, name in members)]
+        if len(set(fits)) != 1:
+            raise SystemExit(f"{comfy_template}: no single diffusers name for every block ({members[:3]})")
+        rules.append({"comfy": comfy_template, "diffusers": fits[0], "rows": list(rows) if rows else None})
+    return sorted(rules, key=lambda r: (r["diffusers"], r["comfy"])), sorted(converted)
+
+
+def diffusers_weights(arch: Arch) -> set[str]:
+    """The weight names of diffusers' own model for this architecture, as deep as the traced one."""
+    import diffusers
+    import torch
+    name, config = arch.diffusers_model
+    with torch.device("meta"):
+        model = getattr(diffusers, name)(**config)
+    return {key for key in model.state_dict() if key.endswith(WEIGHT)}
+
+
+def derive() -> dict:
+    table = {}
+    for arch in ARCHS:
+        found = trace(arch)
+        known = diffusers_weights(arch)
+        missing = sorted(name[: -len(WEIGHT)] for name in found if name not in known)
+        rules, converted = generalise({k: v for k, v in found.items() if k in known},
+                                      block_stacks(meta_model(arch)))
+        table[arch.name] = {"image_model": arch.config["image_model"], "supported_model": arch.supported,
+                            "converter": f"diffusers.loaders.single_file_utils.{arch.converter}",
+                            "rules": rules, "converted": converted,
+                            "not_in_diffusers_model": missing}
+    return table
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when the table is not what the converters give")
+    args = parser.parse_args()
+    import diffusers
+    table = {"diffusers": diffusers.__version__, "architectures": derive()}
+    text = json.dumps(table, indent=1, sort_keys=True) + "\n"
+    if args.check:
+        current = TABLE.read_text(encoding="utf-8") if TABLE.exists() else ""
+        if current != text:
+            print(f"{TABLE} is not what diffusers {diffusers.__version__}'s converters give: run this script")
+            return 1
+        return 0
+    TABLE.write_text(text, encoding="utf-8")
+    print(f"wrote {TABLE}: " + ", ".join(f"{k} {len(v['rules'])}" for k, v in table["architectures"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
