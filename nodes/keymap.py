@@ -26,6 +26,14 @@ DIT_PREFIXES = ("", "transformer.", "base_model.model.")
 # diffusers paths with dots as underscores after a prefix: the LyCORIS wrapper's `lycoris_` (SimpleTuner's
 # lora_type=lycoris, as ComfyUI's own map writes it for Flux/SD3) and OneTrainer's legacy `lora_transformer_`.
 DIT_UNDERSCORED_PREFIXES = ("lycoris_", "lora_transformer_")
+# musubi-tuner names a module `lora_unet_` + its path in musubi's own port of the model, dots as underscores
+# (kohya-ss/musubi-tuner src/musubi_tuner/networks/lora.py LoRANetwork, lora_zimage.py): HunyuanVideo's ports keep
+# Tencent's names and Z-Image's split q/k/v, which are the paths ComfyUI's own map lists under `transformer.`
+# (its diffusion-pipe and z_image_to_diffusers entries); ComfyUI's `lora_unet_` entries use its own paths.
+MUSUBI = "lora_unet_"
+# DiffSynth-Studio saves PEFT's state dict of its own model, whose paths are the original model's (Wan:
+# `blocks.0.self_attn.q`), with no prefix: ComfyUI's paths without `diffusion_model.`.
+DIFFUSION_MODEL = "diffusion_model."
 # The prefixes under which ComfyUI itself lists a DiT's diffusers names; their paths are the modules we re-prefix.
 DIT_SOURCES = ("transformer.", "base_model.model.", "unet.base_model.model.")
 TEXT_ENCODER_PIPE_PREFIXES = ("text_encoder.", "text_encoder_2.", "text_encoder_3.")
@@ -103,13 +111,20 @@ def converted_module_paths(model) -> list[tuple[str, object]]:
 
 
 def dit_module_paths(comfy_map: dict) -> list[tuple[str, object]]:
-    """diffusers module paths of a DiT as ComfyUI's own map lists them under a diffusers prefix."""
+    """diffusers module paths of a DiT as ComfyUI's own map lists them under a diffusers prefix, or under
+    `diffusion_model.` where the entry is a converter's, not ComfyUI's own path (0.3.75 lists Z-Image's diffusers
+    names only there)."""
     paths = []
     for name, target in comfy_map.items():
+        if not isinstance(name, str):
+            continue
         for source in DIT_SOURCES:
-            if isinstance(name, str) and name.startswith(source):
+            if name.startswith(source):
                 paths.append((name[len(source):], target))
                 break
+        else:
+            if name.startswith(DIFFUSION_MODEL) and target != name + WEIGHT:
+                paths.append((name[len(DIFFUSION_MODEL):], target))
     return paths
 
 
@@ -147,6 +162,9 @@ def diffusion_model_names(model, comfy_map: dict) -> dict:
         candidates += [(prefix + path, target) for path, target in paths for prefix in DIT_PREFIXES]
         candidates += [(prefix + path.replace(".", "_"), target) for path, target in paths
                        for prefix in DIT_UNDERSCORED_PREFIXES]
+        candidates += [(MUSUBI + path.replace(".", "_"), target) for path, target in dit_module_paths(comfy_map)]
+        candidates += [(key[len(DIFFUSION_MODEL): -len(WEIGHT)], key) for key in model.state_dict()
+                       if key.startswith(DIFFUSION_MODEL) and key.endswith(WEIGHT)]
     candidates += fused_part_names(comfy_map)
     return _merged(candidates)
 

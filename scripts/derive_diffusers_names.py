@@ -226,11 +226,11 @@ def generalise(found: dict[str, object], stacks: set[str]) -> tuple[list[dict], 
     return sorted(rules, key=lambda r: (r["diffusers"], r["comfy"])), sorted(converted)
 
 
-def diffusers_weights(arch: Arch) -> set[str]:
+def diffusers_weights(arch: Arch, overrides: dict | None = None) -> set[str]:
     """The weight names of diffusers' own model for this architecture, as deep as the traced one."""
     import diffusers
     import torch
-    name, config = arch.diffusers_model
+    name, config = arch.diffusers_model[0], {**arch.diffusers_model[1], **(overrides or {})}
     with torch.device("meta"):
         model = getattr(diffusers, name)(**config)
     return {key for key in model.state_dict() if key.endswith(WEIGHT)}
@@ -246,8 +246,10 @@ def derive() -> dict:
                                       block_stacks(meta_model(arch)))
         table[arch.name] = {"image_model": arch.config["image_model"], "supported_model": arch.supported,
                             "converter": f"diffusers.loaders.single_file_utils.{arch.converter}",
-                            "rules": rules, "converted": converted,
-                            "not_in_diffusers_model": missing}
+                            "rules": rules, "converted": converted}
+        if missing:  # depends on which of ComfyUI's names the trace starts from, so it is said, not stored
+            print(f"{arch.name}: not modules of diffusers' {arch.diffusers_model[0]}, left out: {', '.join(missing)}",
+                  file=sys.stderr)
     return table
 
 

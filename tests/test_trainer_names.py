@@ -6,7 +6,9 @@ its CLIP), and SDXL, Flux and Wan models ComfyUI builds on the meta device. Each
 (and, for Flux's fused qkv, the right rows), or the test records why it does not.
 
 The text encoders of SDXL (CLIP-L, CLIP-G) and Flux (CLIP-L, T5-XXL) are ComfyUI's own classes on the meta device too.
-OneTrainer writes no Wan LoRA.
+OneTrainer writes no Wan LoRA. The video and newest families (Wan I2V, HunyuanVideo, LTX-Video, Z-Image) are
+ComfyUI's own classes on the meta device at their released widths (no memory), one or two blocks deep; each trainer's
+rule is cited from its save code (the repository snapshots read are named at each source string).
 """
 
 import dataclasses
@@ -18,6 +20,7 @@ import pytest
 import test_nodes
 import torch
 from comfy.ldm.flux.model import FluxParams
+from comfy.ldm.hunyuan_video.model import HunyuanVideoParams
 from lycoris_nodes.lycoris_core import parse_state_dict
 from lycoris_nodes.lycoris_core.keys import split_key
 from lycoris_nodes.nodes.apply import build_patches, lora_key_map, map_file, model_shapes
@@ -26,9 +29,6 @@ sd15 = test_nodes.sd15  # fixture
 
 OMI_IMG_IN = ("OneTrainer's Flux OMI key set writes x_embedder as `img_in.proj`, a module BFL's Flux (and ComfyUI's) does "
               "not have: its img_in is one Linear, `img_in.weight`")
-NO_WAN_CONVERTER = ("diffusers' Wan names (blocks.N.attn1.to_q, ffn.net.0.proj) have no converter in ComfyUI "
-                    "(comfy.utils has none for Wan and model_lora_keys_unet no Wan branch), and the issue rules out "
-                    "hand-written name tables")
 
 # ComfyUI's own SDXL UNet config (comfy/model_detection.py, unet_config_from_diffusers_unet's SDXL entry)
 SDXL_CONFIG = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
@@ -46,6 +46,23 @@ WAN_CONFIG = {"image_model": "wan2.1", "model_type": "t2v", "dim": 64, "ffn_dim"
 # mlp_ratio 4 as in Flux.1: ComfyUI's flux_to_diffusers places proj_mlp at rows 3h…7h whatever the config says
 if "txt_ids_dims" in {f.name for f in dataclasses.fields(FluxParams)}:
     FLUX_CONFIG["txt_ids_dims"] = []  # 0.33's Flux also takes the text position-id layout; 0.3.75's has no such field
+WAN_I2V_CONFIG = {**WAN_CONFIG, "model_type": "i2v", "in_dim": 36}
+# Released widths (on the meta device): diffusers' HunyuanVideo converter splits linear1 at 3072 rows, Z-Image's
+# fused qkv is 3 x 3840 rows.
+HV_CONFIG = {"image_model": "hunyuan_video", "in_channels": 16, "patch_size": [1, 2, 2], "out_channels": 16,
+             "vec_in_dim": 768, "axes_dim": [16, 56, 56], "meanflow": False, "context_in_dim": 4096,
+             "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": 1, "depth_single_blocks": 1,
+             "theta": 256, "qkv_bias": True, "byt5": False, "guidance_embed": True, "use_cond_type_embedding": False,
+             "vision_in_dim": None, "meanflow_sum": False}
+if "meanflow_sum" not in {f.name for f in dataclasses.fields(HunyuanVideoParams)}:
+    del HV_CONFIG["meanflow_sum"]  # 0.3.75's HunyuanVideo takes no meanflow_sum
+LTXV_CONFIG = {"image_model": "ltxv", "num_layers": 1, "attention_head_dim": 8, "cross_attention_dim": 64,
+               "num_attention_heads": 4, "in_channels": 16, "out_channels": 16, "caption_channels": 32}
+ZIMAGE_CONFIG = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 3840, "cap_feat_dim": 2560,
+                 "n_layers": 1, "qk_norm": True, "n_heads": 30, "n_kv_heads": 30, "axes_dims": [32, 48, 48],
+                 "axes_lens": [1536, 512, 512], "rope_theta": 256.0, "ffn_dim_multiplier": 8.0 / 3.0,
+                 "z_image_modulation": True, "time_scale": 1000.0}
+HV = HV_CONFIG["hidden_size"]
 HIDDEN = FLUX_CONFIG["hidden_size"]
 MLP = int(HIDDEN * FLUX_CONFIG["mlp_ratio"])
 
@@ -64,6 +81,13 @@ FLUX_MLP_ROWS = (0, 3 * HIDDEN, MLP)  # linear1 is q, k, v, then the MLP's input
 SDXL_TE1_Q = "clip_l.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight"
 SDXL_TE2_Q = "clip_g.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight"
 FLUX_T5_Q = "t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight"
+WAN_K_IMG = "diffusion_model.blocks.0.cross_attn.k_img.weight"
+HV_QKV = "diffusion_model.double_blocks.0.img_attn.qkv.weight"
+HV_TXT_QKV = "diffusion_model.double_blocks.0.txt_attn.qkv.weight"
+HV_LINEAR1 = "diffusion_model.single_blocks.0.linear1.weight"
+LTXV_Q = "diffusion_model.transformer_blocks.0.attn1.to_q.weight"
+ZI_QKV = "diffusion_model.layers.0.attention.qkv.weight"
+ZI_DIM = ZIMAGE_CONFIG["dim"]
 
 # (trainer, architecture, module name as written, suffixes, target weight, rows or None, source of the name style)
 ONETRAINER = "Nerogar/OneTrainer modules/modelSaver/mixin/LoRASaverMixin.py (convert_to_legacy_diffusers)"
@@ -87,6 +111,18 @@ AI_TOOLKIT_WAN = "ostris/ai-toolkit Wan 2.1 model: convert_lora_weights_before_s
 OT_OMI = "Nerogar/OneTrainer modules/util/convert/lora/convert_{sd,sdxl,flux}_lora.py key sets (convert_to_omi)"
 MUSUBI = "kohya-ss/musubi-tuner networks/lora_wan.py, lora.py (prefix lora_unet, the model's own module names)"
 SD_SCRIPTS = "kohya-ss/sd-scripts networks/lora.py (lora_unet_, SDXL U-Net in its original names)"
+# DiffSynth-Studio (modelscope/DiffSynth-Studio at fed7b18f, diffsynth/trainers + diffsynth/models/wan_video_dit.py,
+# z_image_dit.py): PEFT's state dict of its own model, no prefix, adapter name kept (`.lora_A.default.weight`).
+DIFFSYNTH = "modelscope/DiffSynth-Studio (PEFT state dict of its own model: original Wan / Z-Image paths, no prefix)"
+PEFT_DEFAULT = ("lora_A.default.weight", "lora_B.default.weight")
+MUSUBI_HV = ("kohya-ss/musubi-tuner src/musubi_tuner/networks/lora.py (HunyuanVideo: Tencent's names, "
+             "hunyuan_model/models.py: img_attn_qkv, img_mlp.fc1)")
+MUSUBI_ZI = ("kohya-ss/musubi-tuner src/musubi_tuner/networks/lora_zimage.py (zimage/zimage_model.py: split "
+             "attention.to_q/to_k/to_v, to_out.0, feed_forward.w1/w2/w3)")
+# OneTrainer (Nerogar/OneTrainer at 23df3832) HunyuanVideo: LEGACY = `lora_transformer_` + diffusers path underscored,
+# COMFY (its preset's default) = `diffusion_model.` + Tencent names (modules/model/HunyuanVideoModel.py
+# diffusers_to_original).
+OT_HV = "Nerogar/OneTrainer modules/modelSaver/mixin/LoRASaverMixin.py (HunyuanVideo LEGACY / COMFY formats)"
 
 NAMES = [
     ("OneTrainer", "sd15", "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q", LORA, SD15_TO_Q,
@@ -119,6 +155,41 @@ NAMES = [
     ("musubi-tuner", "wan", "lora_unet_blocks_0_ffn_0", LORA, WAN_FFN0, None, MUSUBI),
     ("SimpleTuner", "wan", "transformer.blocks.0.attn1.to_q", PEFT, WAN_Q, None, SIMPLETUNER_PEFT),
     ("SimpleTuner", "wan", "lycoris_blocks_0_attn1_to_q", LORA, WAN_Q, None, SIMPLETUNER_LYCORIS),
+    ("SimpleTuner", "wan", "transformer.blocks.0.ffn.net.0.proj", PEFT, WAN_FFN0, None, SIMPLETUNER_PEFT),
+    ("PEFT save_pretrained", "wan", "base_model.model.blocks.0.attn1.to_out.0", PEFT,
+     "diffusion_model.blocks.0.self_attn.o.weight", None, SIMPLETUNER_PEFT),
+    ("DiffSynth-Studio", "wan", "blocks.0.self_attn.q", PEFT_DEFAULT, WAN_Q, None, DIFFSYNTH),
+    ("DiffSynth-Studio", "wan", "blocks.0.ffn.0", PEFT_DEFAULT, WAN_FFN0, None, DIFFSYNTH),
+    ("SimpleTuner", "wan_i2v", "transformer.blocks.0.attn2.add_k_proj", PEFT, WAN_K_IMG, None, SIMPLETUNER_PEFT),
+    ("SimpleTuner", "wan_i2v", "lycoris_blocks_0_attn2_add_k_proj", LORA, WAN_K_IMG, None, SIMPLETUNER_LYCORIS),
+    ("musubi-tuner", "wan_i2v", "lora_unet_blocks_0_cross_attn_k_img", LORA, WAN_K_IMG, None, MUSUBI),
+    ("SimpleTuner", "hunyuan_video", "transformer.transformer_blocks.0.attn.to_q", PEFT, HV_QKV, (0, 0, HV),
+     SIMPLETUNER_PEFT),
+    ("SimpleTuner", "hunyuan_video", "transformer.transformer_blocks.0.attn.add_k_proj", PEFT, HV_TXT_QKV,
+     (0, HV, HV), SIMPLETUNER_PEFT),
+    ("SimpleTuner", "hunyuan_video", "transformer.single_transformer_blocks.0.proj_mlp", PEFT, HV_LINEAR1,
+     (0, 3 * HV, 4 * HV), SIMPLETUNER_PEFT),
+    ("SimpleTuner", "hunyuan_video", "transformer.transformer_blocks.0.ff.net.0.proj", PEFT,
+     "diffusion_model.double_blocks.0.img_mlp.0.weight", None, SIMPLETUNER_PEFT),
+    ("SimpleTuner", "hunyuan_video", "lycoris_transformer_blocks_0_attn_to_v", LORA, HV_QKV, (0, 2 * HV, HV),
+     SIMPLETUNER_LYCORIS),
+    ("OneTrainer", "hunyuan_video", "lora_transformer_single_transformer_blocks_0_attn_to_k", LORA, HV_LINEAR1,
+     (0, HV, HV), OT_HV),
+    ("OneTrainer", "hunyuan_video", "diffusion_model.double_blocks.0.img_attn_qkv", PEFT, HV_QKV, None, OT_HV),
+    ("musubi-tuner", "hunyuan_video", "lora_unet_double_blocks_0_img_mlp_fc1", LORA,
+     "diffusion_model.double_blocks.0.img_mlp.0.weight", None, MUSUBI_HV),
+    ("musubi-tuner", "hunyuan_video", "lora_unet_double_blocks_0_txt_mlp_fc2", LORA,
+     "diffusion_model.double_blocks.0.txt_mlp.2.weight", None, MUSUBI_HV),
+    ("musubi-tuner", "hunyuan_video", "lora_unet_double_blocks_0_img_attn_qkv", LORA, HV_QKV, None, MUSUBI_HV),
+    ("SimpleTuner", "ltxv", "transformer.transformer_blocks.0.attn1.to_q", PEFT, LTXV_Q, None, SIMPLETUNER_PEFT),
+    ("SimpleTuner", "ltxv", "lycoris_transformer_blocks_0_attn1_to_q", LORA, LTXV_Q, None, SIMPLETUNER_LYCORIS),
+    ("musubi-tuner", "zimage", "lora_unet_layers_0_attention_to_q", LORA, ZI_QKV, (0, 0, ZI_DIM), MUSUBI_ZI),
+    ("musubi-tuner", "zimage", "lora_unet_layers_0_attention_to_v", LORA, ZI_QKV, (0, 2 * ZI_DIM, ZI_DIM), MUSUBI_ZI),
+    ("musubi-tuner", "zimage", "lora_unet_layers_0_attention_to_out_0", LORA,
+     "diffusion_model.layers.0.attention.out.weight", None, MUSUBI_ZI),
+    ("musubi-tuner", "zimage", "lora_unet_layers_0_feed_forward_w2", LORA,
+     "diffusion_model.layers.0.feed_forward.w2.weight", None, MUSUBI_ZI),
+    ("DiffSynth-Studio", "zimage", "layers.0.attention.to_k", PEFT_DEFAULT, ZI_QKV, (0, ZI_DIM, ZI_DIM), DIFFSYNTH),
     ("ai-toolkit", "sd15", "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q", LORA, SD15_TO_Q,
      None, AI_TOOLKIT),
     ("ai-toolkit", "sd15", "lora_te_text_model_encoder_layers_0_self_attn_q_proj", LORA, SD15_TE_Q, None, AI_TOOLKIT),
@@ -167,8 +238,6 @@ NAMES = [
     ("OneTrainer OMI", "flux_clip", "t5.encoder.block.0.layer.0.SelfAttention.q", LORA, FLUX_T5_Q, None, OT_OMI),
 ]
 EXPECTED_MISSES = {  # (architecture, module name) -> why it does not map
-    ("wan", "transformer.blocks.0.attn1.to_q"): NO_WAN_CONVERTER,
-    ("wan", "lycoris_blocks_0_attn1_to_q"): NO_WAN_CONVERTER,
     ("flux", "transformer.img_in.proj"): OMI_IMG_IN,
 }
 # OMI names one part of a fused weight `<fused>.<i>` (Flux's qkv in thirds, linear1 as q, k, v, MLP). ComfyUI's own
@@ -190,7 +259,9 @@ def _params() -> list:
 def meta_models():
     """ComfyUI's own model classes, on the meta device: the key map and shapes a real checkpoint would give."""
     configs = {"sdxl": (supported.SDXL, SDXL_CONFIG), "flux": (supported.Flux, FLUX_CONFIG),
-               "wan": (supported.WAN21_T2V, WAN_CONFIG)}
+               "wan": (supported.WAN21_T2V, WAN_CONFIG), "wan_i2v": (supported.WAN21_I2V, WAN_I2V_CONFIG),
+               "hunyuan_video": (supported.HunyuanVideo, HV_CONFIG), "ltxv": (supported.LTXV, LTXV_CONFIG),
+               "zimage": (supported.ZImage, ZIMAGE_CONFIG)}
     models = {arch: cls(dict(config)).get_model({}, "", device="meta") for arch, (cls, config) in configs.items()}
     models["sdxl_clip"] = comfy.sdxl_clip.SDXLClipModel(device="meta", dtype=torch.float16)
     models["flux_clip"] = comfy.text_encoders.flux.FluxClipModel(device="meta", dtype=torch.float16)
@@ -200,7 +271,7 @@ def meta_models():
 def _module(name: str, suffixes: tuple[str, str], out: int, inner: tuple[int, ...], rank: int = 2):
     down, up = suffixes
     sd = {f"{name}.{down}": torch.randn(rank, *inner) * 0.1, f"{name}.{up}": torch.randn(out, rank) * 0.1}
-    if suffixes == LORA:
+    if suffixes == LORA or down.startswith("lora_down"):
         sd[f"{name}.alpha"] = torch.tensor(float(rank))
     return sd
 

@@ -1,0 +1,80 @@
+"""diffusers' names for the DiTs ComfyUI has no converter for, as diffusers' own single-file converters give them.
+
+nodes/diffusers_names.json is written by scripts/derive_diffusers_names.py, which runs
+`diffusers.loaders.single_file_utils.convert_*_to_diffusers` on ComfyUI's model of each architecture. Here:
+- the table is what the installed diffusers' converters give (so a diffusers or ComfyUI change that moves a name
+  shows up as a failing test, not as a silently wrong table);
+- its rules hold beyond the models they were traced on: for a model of another depth (and width, where the
+  converter has no width of its own), our key map gives exactly the weight and rows the converter puts under each
+  diffusers name, and nothing it does not.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from lycoris_nodes.nodes import keymap
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("derive_diffusers_names", ROOT / "scripts" / "derive_diffusers_names.py")
+derive = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = derive  # its dataclasses look their module up
+_spec.loader.exec_module(derive)
+ARCHS = {arch.name: arch for arch in derive.ARCHS}
+WEIGHT = ".weight"
+
+# Other depths and widths than the traced ones. HunyuanVideo keeps 3072: diffusers' converter splits single blocks'
+# linear1 at a hard-coded hidden size of 3072, so no other width is a HunyuanVideo it converts.
+OTHER_SHAPES = {
+    "wan": {"num_layers": 5, "dim": 96, "ffn_dim": 160, "num_heads": 6},
+    "wan-i2v": {"num_layers": 4, "dim": 96, "ffn_dim": 160, "num_heads": 6},
+    "wan-vace": {"num_layers": 6, "vace_layers": 3},
+    "hunyuan-video": {"depth": 4, "depth_single_blocks": 5},
+    "ltxv": {"num_layers": 5, "attention_head_dim": 12},
+}
+
+
+# diffusers' model as deep as the one above (for the last check)
+OTHER_DIFFUSERS_DEPTH = {
+    "wan": {"num_layers": 5, "num_attention_heads": 6, "attention_head_dim": 16, "ffn_dim": 160},
+    "wan-i2v": {"num_layers": 4, "num_attention_heads": 6, "attention_head_dim": 16, "ffn_dim": 160},
+    "wan-vace": {"num_layers": 3, "vace_layers": [0, 1, 2]},
+    "hunyuan-video": {"num_layers": 4, "num_single_layers": 5},
+    "ltxv": {"num_layers": 5},
+}
+
+
+def test_every_traced_architecture_is_checked_at_another_shape():
+    assert set(OTHER_SHAPES) == set(ARCHS) == set(OTHER_DIFFUSERS_DEPTH)
+
+
+def test_the_table_is_what_diffusers_converters_give():
+    import diffusers
+
+    table = derive.json.loads(derive.TABLE.read_text(encoding="utf-8"))
+    if table["diffusers"] != diffusers.__version__:
+        pytest.skip(f"the table was traced with diffusers {table['diffusers']}, {diffusers.__version__} is installed")
+    assert derive.derive() == table["architectures"]
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_SHAPES))
+def test_rules_give_the_converters_weights_at_another_depth_and_width(name):
+    arch = ARCHS[name]
+    config = {**arch.config, **OTHER_SHAPES[name]}
+    model = derive.meta_model(arch, config)
+    traced = {}
+    for diffusers_name, value in derive.trace(arch, config).items():
+        if value == "converted":
+            continue
+        path, start, count, total = value
+        key = "diffusion_model." + path
+        traced[diffusers_name[: -len(WEIGHT)]] = key if (start, count) == (0, total) else (key, (0, start, count))
+    mapped = dict(keymap.converted_module_paths(model))
+    assert mapped, "no rule applied to this model"
+    wrong = {name: (target, traced.get(name)) for name, target in mapped.items() if traced.get(name) != target}
+    assert wrong == {}
+    # Every name the converter gives is mapped, except those that are no module of diffusers' own model (ComfyUI
+    # keeps no original name for a few HunyuanVideo embedders and norms, which the converter then passes through).
+    known = {n[: -len(WEIGHT)] for n in derive.diffusers_weights(arch, OTHER_DIFFUSERS_DEPTH.get(name, {}))}
+    assert {n for n in traced if n not in mapped and n in known} == set()
