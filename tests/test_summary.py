@@ -17,7 +17,7 @@ from comfy_env import REPO_ROOT
 from lycoris_nodes.lycoris_core import LycorisError
 from lycoris_nodes.lycoris_core import summary as summary_module
 from lycoris_nodes.lycoris_core.blocks import block_of
-from lycoris_nodes.lycoris_core.summary import declared_family, infer_family, summarize, trigger_words
+from lycoris_nodes.lycoris_core.summary import declared_family, family_id, infer_family, summarize, trigger_words
 from lycoris_nodes.nodes.cache import read
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -237,6 +237,22 @@ def test_family_inferred_from_key_names(name, sd, inferred, tmp_path):
     s = summarize(write(tmp_path / f"{name}.safetensors", sd))
     assert s.base_model == {"declared": None, "inferred": inferred}
     assert s.module_count == len([k for k in sd if k.endswith(("lora_up.weight", "lora_B.weight"))])
+
+
+@pytest.mark.parametrize("prefix,family", [
+    ("transformer.blocks.0.attn1.to_q", "Wan"),  # diffusers / SimpleTuner
+    ("lycoris_blocks_0_attn2_add_k_proj", "Wan"),  # LyCORIS wrapper, I2V
+    ("blocks.0.self_attn.q", "Wan"),  # DiffSynth-Studio, original names
+    ("transformer.transformer_blocks.0.attn1.to_q", None),  # LTX-Video, Mochi and CogVideoX all write this
+    ("lora_unet_layers_0_attention_to_q", "Z-Image / Lumina 2"),  # musubi-tuner
+    ("diffusion_model.layers.0.attention.qkv", "Z-Image / Lumina 2"),  # ComfyUI's trainer, sd-scripts
+])
+def test_infer_family_of_video_and_newest_dits(prefix, family):
+    assert infer_family({prefix: 64}) == family
+
+
+def test_z_image_files_are_the_family_of_comfyuis_z_image_and_lumina2_models():
+    assert family_id("Z-Image / Lumina 2") == family_id("ZImage") == family_id("Lumina2") == "lumina"
 
 
 def test_infer_family_directly():
