@@ -43,8 +43,8 @@ FAMILY_PATTERNS: tuple[tuple[str, str], ...] = (
     ("Wan", r"blocks[._]\d+[._](cross_attn|self_attn)[._]"),
     # diffusers' Wan names (WanTransformer3DModel): a top-level `blocks` list with attn1/attn2/ffn.net; other DiTs
     # call theirs transformer_blocks, so the name must start there (after a trainer's prefix)
-    ("Wan", r"(?m)^(transformer\.|base_model\.model\.|lycoris_|lora_transformer_)?blocks[._]\d+[._]"
-            r"(attn[12][._](to_|add_)|ffn[._]net[._])"),
+    ("Wan", (r"(?m)^(transformer\.|base_model\.model\.|lycoris_|lora_transformer_)?blocks[._]\d+[._]"
+             r"(attn[12][._](to_|add_)|ffn[._]net[._])")),
     ("Z-Image / Lumina 2", r"(?m)^(\w+[._])?layers[._]\d+[._](attention[._](to_[qkv]|qkv)|feed_forward[._]w[123])"),
     ("Qwen-Image", r"transformer_blocks[._]\d+[._](img_mlp|txt_mlp|img_mod)"),
     ("SDXL", r"lora_te2_|text_encoder_2|input_blocks[._][78][._]1[._]transformer_blocks[._][1-9]"),

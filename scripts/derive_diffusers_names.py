@@ -187,7 +187,7 @@ def _indexed(path: str, stacks: set[str]) -> tuple[str, list[str]]:
     for i in range(1, len(parts)):
         if parts[i].isdigit() and ".".join(parts[:i]) in stacks:
             values.append(parts[i])
-            parts[i] = "{%d}" % (len(values) - 1)
+            parts[i] = f"{{{len(values) - 1}}}"
     return ".".join(parts), values
 
 
@@ -197,7 +197,7 @@ def _candidates(name: str, values: list[str]) -> list[str]:
     def place(start: int, n: int) -> list[list[str]]:
         if n == len(values):
             return [parts[start:]]
-        return [parts[start:i] + ["{%d}" % n] + rest for i in range(start, len(parts)) if parts[i] == values[n]
+        return [parts[start:i] + [f"{{{n}}}"] + rest for i in range(start, len(parts)) if parts[i] == values[n]
                 for rest in place(i + 1, n + 1)]
     return [".".join(c) for c in place(0, 0)]
 
