@@ -73,10 +73,11 @@ class Module:
         return Plan(self.algorithm.name, layout, tuple(self.tensors), axis, reference)
 
 
-def detect(group: dict[str, torch.Tensor]) -> list[Algorithm]:
-    """The algorithms a group of keys holds: at most one for the weight (first marker match) plus bias parts."""
-    weight = next((a for a in WEIGHT_ALGORITHMS if a.matches(group)), None)
-    return ([weight] if weight else []) + [a for a in BIAS_ALGORITHMS if a.matches(group)]
+def detect(group: dict[str, torch.Tensor], prefix: str = "") -> list[Algorithm]:
+    """The algorithms a group of keys (of module `prefix`) holds: at most one for the weight (first marker match)
+    plus bias parts."""
+    weight = next((a for a in WEIGHT_ALGORITHMS if a.matches(group, prefix)), None)
+    return ([weight] if weight else []) + [a for a in BIAS_ALGORITHMS if a.matches(group, prefix)]
 
 
 def read_alpha(tensor: torch.Tensor) -> float:
@@ -124,7 +125,7 @@ def build_modules(prefix: str, group: dict[str, torch.Tensor], file: str | None 
         raise LycorisError(e.reason, file=file, key=f"{prefix}.{e.key}") from e
     scale = peft_scale(options or {}) if alpha is None else None
     modules, used = [], {ALPHA} if ALPHA in group else set()
-    for algorithm in detect(group):
+    for algorithm in detect(group, prefix):
         given = {**option_entries(algorithm, options or {}, module_name or prefix), **group}
         names = [k for k in algorithm.markers + algorithm.keys if k in given]
         if algorithm.supports_dora and DORA_SCALE in given:

@@ -78,6 +78,9 @@ class Algorithm:
     merge_into: Callable[[Tensors, Layout, torch.Tensor, float, bool], None] | None = None
     dense: tuple[str, ...] = ()  # keys as large as the weight: never cast whole (see casting.add_scaled)
     marker_ndim: int | None = None  # oft_blocks: 3-D is diag-OFT, 4-D is BOFT
+    # module names (their start, as keys.py reads them) it is limited to: a trainer that writes another's key names
+    # with maths of its own, told apart by where its names start (ComfyUI's trainer: `diffusion_model.`)
+    prefixes: tuple[str, ...] = ()
     param: str = "weight"  # which parameter of the target layer it patches
     supports_dora: bool = False
     uses_alpha: bool = True
@@ -86,9 +89,10 @@ class Algorithm:
     bypass: "Callable[[Tensors, Layout, FormSite], Form | None] | None" = None
     factored: "Callable[[Tensors, Layout, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]] | None" = None
 
-    def matches(self, t: Tensors) -> bool:
+    def matches(self, t: Tensors, prefix: str = "") -> bool:
         found = [t[m] for m in self.markers if m in t]
-        return bool(found) and (self.marker_ndim is None or found[0].ndim == self.marker_ndim)
+        return (bool(found) and (self.marker_ndim is None or found[0].ndim == self.marker_ndim)
+                and (not self.prefixes or prefix.startswith(self.prefixes)))
 
 
 def scale_from_alpha(alpha: float | None, rank: int) -> float:
