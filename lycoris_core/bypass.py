@@ -40,7 +40,7 @@ from .module import Plan
 from .patch import change
 
 # Algorithms whose change reads the current weight (DoRA is decided by the plan).
-READS_WEIGHT = frozenset({"glora", "ia3", "diag-oft", "oft-diag-v2", "kohya-oft", "boft",
+READS_WEIGHT = frozenset({"glora", "ia3", "diag-oft", "oft-diag-v2", "kohya-oft", "comfy-oft", "boft",
                           "peft-oft", "peft-boft", "peft-ia3", "peft-oft-embedding"})
 
 

@@ -14,6 +14,7 @@ import torch
 
 from . import (
     boft,
+    comfy_oft,
     full,
     glora,
     ia3,
@@ -38,6 +39,7 @@ WEIGHT_ALGORITHMS: tuple[Algorithm, ...] = (
     full.FULL,
     full.NORM,
     kohya_oft.ALGORITHM,  # its own marker (keys.py), before LyCORIS' diag-OFT all the same
+    comfy_oft.ALGORITHM,  # diag-OFT's keys under ComfyUI's `diffusion_model.` names: ComfyUI's constraint
     oft.ALGORITHM,
     boft.ALGORITHM,
     glora.ALGORITHM,
