@@ -21,6 +21,8 @@ from pathlib import Path
 
 import comfy.utils
 
+from . import gguf
+
 UNET_PREFIXES = ("", "unet.", "base_model.model.", "unet.base_model.model.")
 DIT_PREFIXES = ("", "transformer.", "base_model.model.")
 # diffusers paths with dots as underscores after a prefix: the LyCORIS wrapper's `lycoris_` (SimpleTuner's
@@ -72,7 +74,8 @@ BLOCK_INDEX = re.compile(r"\\\{(\d+)\\\}")  # `{0}` as re.escape writes it
 
 @functools.cache
 def _converter_rules() -> dict[str, list[tuple[re.Pattern, str, tuple | None]]]:
-    """image_model -> (ComfyUI path pattern, diffusers path template, rows as (start, count, of) or None)."""
+    """image_model -> (ComfyUI path pattern, diffusers path template, rows as (start, count, of) or None). A rule
+    for one block's exact path (Mochi's last block) comes first and stands for that block alone."""
     table = json.loads(DIFFUSERS_NAMES.read_text(encoding="utf-8"))["architectures"]
     rules: dict[str, list] = {}
     for arch in table.values():
@@ -80,7 +83,7 @@ def _converter_rules() -> dict[str, list[tuple[re.Pattern, str, tuple | None]]]:
             pattern = re.compile(BLOCK_INDEX.sub(r"(\\d+)", re.escape(rule["comfy"] + WEIGHT)))
             rows = tuple(rule["rows"]) if rule["rows"] else None
             rules.setdefault(arch["image_model"], []).append((pattern, rule["diffusers"], rows))
-    return rules
+    return {model: sorted(found, key=lambda rule: rule[0].groups > 0) for model, found in rules.items()}
 
 
 def converted_module_paths(model) -> list[tuple[str, object]]:
@@ -90,19 +93,20 @@ def converted_module_paths(model) -> list[tuple[str, object]]:
     rules = _converter_rules().get(config.get("image_model"), ())
     if not rules:
         return []
-    prefix = "diffusion_model."
     paths = []
     for key, tensor in model.state_dict().items():
-        if not (key.startswith(prefix) and key.endswith(WEIGHT)):
+        if not (key.startswith(DIFFUSION_MODEL) and key.endswith(WEIGHT)):
             continue
+        exact = False
         for pattern, template, rows in rules:
-            match = pattern.fullmatch(key, len(prefix))
-            if match is None:
+            match = pattern.fullmatch(key, len(DIFFUSION_MODEL))
+            if match is None or (exact and pattern.groups):
                 continue
+            exact = exact or not pattern.groups
             target = key
             if rows is not None:
                 start, count, whole = rows
-                total = tensor.shape[0]
+                total = (gguf.logical_shape(tensor) if gguf.is_gguf_tensor(tensor) else tensor.shape)[0]
                 if total % whole:
                     continue  # rows that do not divide as the converter splits them: not this layout
                 target = (key, (0, start * total // whole, count * total // whole))

@@ -78,6 +78,20 @@ def _ltxv(**extra) -> dict:
             "num_attention_heads": 4, "in_channels": 16, "out_channels": 16, "caption_channels": 32, **extra}
 
 
+def _ltx2(**extra) -> dict:
+    return {**_ltxv(), "image_model": "ltxav", **extra}
+
+
+def _mochi(**extra) -> dict:
+    # ComfyUI's detection of Mochi (model_detection.py, all fixed); diffusers' converter assumes its 48 blocks
+    return {"image_model": "mochi_preview", "depth": 48, "patch_size": 2, "num_heads": 24, "hidden_size_x": 3072,
+            "hidden_size_y": 1536, "mlp_ratio_x": 4.0, "mlp_ratio_y": 4.0, "learn_sigma": False, "in_channels": 12,
+            "qk_norm": True, "qkv_bias": False, "out_bias": True, "attn_drop": 0.0, "patch_embed_bias": True,
+            "posenc_preserve_area": True, "timestep_mlp_bias": True, "attend_to_padding": False,
+            "timestep_scale": 1000.0, "use_t5": True, "t5_feat_dim": 4096, "t5_token_length": 256,
+            "rope_theta": 10000.0, **extra}
+
+
 ARCHS: list[Arch] = [
     Arch("wan", "WAN21_T2V", _wan(), "convert_wan_transformer_to_diffusers",
          diffusers_model=("WanTransformer3DModel", {"num_layers": 3})),
@@ -91,6 +105,10 @@ ARCHS: list[Arch] = [
          diffusers_model=("HunyuanVideoTransformer3DModel", {"num_layers": 3, "num_single_layers": 3})),
     Arch("ltxv", "LTXV", _ltxv(), "convert_ltx_transformer_checkpoint_to_diffusers",
          diffusers_model=("LTXVideoTransformer3DModel", {"num_layers": 3})),
+    Arch("ltx2", "LTXAV", _ltx2(), "convert_ltx2_transformer_to_diffusers",
+         diffusers_model=("LTX2VideoTransformer3DModel", {"num_layers": 3})),
+    Arch("mochi", "GenmoMochi", _mochi(), "convert_mochi_transformer_checkpoint_to_diffusers",
+         diffusers_model=("MochiTransformer3DModel", {"num_layers": 48})),
 ]
 
 
@@ -113,11 +131,11 @@ def meta_model(arch: Arch, config: dict | None = None):
     return cls(config).get_model({}, "", device="meta")
 
 
-def comfy_weights(model) -> dict[str, tuple[int, ...]]:
-    """ComfyUI's diffusion-model weight keys (without `diffusion_model.`) and shapes."""
+def comfy_params(model) -> dict[str, tuple[int, ...]]:
+    """ComfyUI's diffusion-model parameter keys (without `diffusion_model.`) and shapes; some converters need the
+    biases beside the weights (Mochi's)."""
     prefix = "diffusion_model."
-    return {k[len(prefix):]: tuple(v.shape) for k, v in model.state_dict().items()
-            if k.startswith(prefix) and k.endswith(WEIGHT)}
+    return {k[len(prefix):]: tuple(v.shape) for k, v in model.state_dict().items() if k.startswith(prefix)}
 
 
 def original_names(arch: Arch, model, weights) -> dict[str, str]:
@@ -125,7 +143,7 @@ def original_names(arch: Arch, model, weights) -> dict[str, str]:
     originals are its own `transformer.<original path>` key-map entries (HunyuanVideo's diffusion-pipe names), each
     checked the way ComfyUI loads: its renaming of the original name must give the ComfyUI name back."""
     if not arch.original_from_comfy_map:
-        return {path: path for path in weights}
+        return dict(zip(weights, weights))
     comfy = _comfy()
     config = model.model_config
     originals = {}
@@ -143,14 +161,14 @@ def trace(arch: Arch, config: dict | None = None) -> dict[str, object]:
     from diffusers.loaders import single_file_utils
 
     model = meta_model(arch, config)
-    weights = comfy_weights(model)
-    originals = original_names(arch, model, weights)
+    params = comfy_params(model)
+    originals = original_names(arch, model, params)
     ids = {path: i + 1 for i, path in enumerate(sorted(originals))}
     checkpoint = {}
     for path, orig in originals.items():
-        rows = weights[path][0]
-        tags = ids[path] * ROW_TAG + torch.arange(rows, dtype=torch.float64)
-        checkpoint[orig] = tags.reshape(rows, *([1] * (len(weights[path]) - 1)))
+        shape = params[path]
+        tags = ids[path] * ROW_TAG + torch.arange(shape[0] if shape else 1, dtype=torch.float64)
+        checkpoint[orig] = tags.reshape(shape[0], *([1] * (len(shape) - 1))) if shape else tags[0]
     by_id = {i: path for path, i in ids.items()}
     converted = getattr(single_file_utils, arch.converter)(checkpoint)
     found: dict[str, object] = {}
@@ -169,7 +187,7 @@ def trace(arch: Arch, config: dict | None = None) -> dict[str, object]:
         if path is None or not contiguous:
             found[name] = "converted"
             continue
-        found[name] = (path, int(rows[0]), len(rows), weights[path][0])
+        found[name] = (path, int(rows[0]), len(rows), params[path][0])
     return found
 
 
@@ -218,11 +236,14 @@ def generalise(found: dict[str, object], stacks: set[str]) -> tuple[list[dict], 
         groups.setdefault((comfy_template, rows), []).append((values, name[: -len(WEIGHT)]))
     rules = []
     for (comfy_template, rows), members in groups.items():
-        fits = [t for t in _candidates(members[0][1], members[0][0])
-                if all(t.format(*values) == name for values, name in members)]
-        if len(set(fits)) != 1:
-            raise SystemExit(f"{comfy_template}: no single diffusers name for every block ({members[:3]})")
-        rules.append({"comfy": comfy_template, "diffusers": fits[0], "rows": list(rows) if rows else None})
+        fits = {t: [m for m in members if t.format(*m[0]) == m[1]] for values, name in members
+                for t in _candidates(name, values)}
+        # the template most blocks follow; a block that differs (Mochi's last, which has no text branch to update)
+        # gets a rule of its own, for exactly its path
+        best = max(fits, key=lambda t: (len(fits[t]), t))
+        rules.append({"comfy": comfy_template, "diffusers": best, "rows": list(rows) if rows else None})
+        rules += [{"comfy": comfy_template.format(*values), "diffusers": name, "rows": list(rows) if rows else None}
+                  for values, name in members if (values, name) not in fits[best]]
     return sorted(rules, key=lambda r: (r["diffusers"], r["comfy"])), sorted(converted)
 
 
@@ -236,9 +257,14 @@ def diffusers_weights(arch: Arch, overrides: dict | None = None) -> set[str]:
     return {key for key in model.state_dict() if key.endswith(WEIGHT)}
 
 
-def derive() -> dict:
+def available(arch: Arch) -> bool:
+    """Whether this ComfyUI has the architecture (0.3.75 has no LTX-2)."""
+    return hasattr(_comfy().supported_models, arch.supported)
+
+
+def derive(archs: list[Arch] | None = None) -> dict:
     table = {}
-    for arch in ARCHS:
+    for arch in archs or ARCHS:
         found = trace(arch)
         known = diffusers_weights(arch)
         missing = sorted(name[: -len(WEIGHT)] for name in found if name not in known)
@@ -258,6 +284,10 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when the table is not what the converters give")
     args = parser.parse_args()
     import diffusers
+    missing = [arch.name for arch in ARCHS if not available(arch)]
+    if missing:
+        print(f"this ComfyUI lacks {', '.join(missing)}: run with the newest ComfyUI (COMFY=0.33)")
+        return 1
     table = {"diffusers": diffusers.__version__, "architectures": derive()}
     text = json.dumps(table, indent=1, sort_keys=True) + "\n"
     if args.check:

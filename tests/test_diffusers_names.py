@@ -25,13 +25,16 @@ ARCHS = {arch.name: arch for arch in derive.ARCHS}
 WEIGHT = ".weight"
 
 # Other depths and widths than the traced ones. HunyuanVideo keeps 3072: diffusers' converter splits single blocks'
-# linear1 at a hard-coded hidden size of 3072, so no other width is a HunyuanVideo it converts.
+# linear1 at a hard-coded hidden size of 3072, so no other width is a HunyuanVideo it converts; Mochi's converter
+# knows only the released model (48 blocks at 3072), so it is checked as traced.
 OTHER_SHAPES = {
     "wan": {"num_layers": 5, "dim": 96, "ffn_dim": 160, "num_heads": 6},
     "wan-i2v": {"num_layers": 4, "dim": 96, "ffn_dim": 160, "num_heads": 6},
     "wan-vace": {"num_layers": 6, "vace_layers": 3},
     "hunyuan-video": {"depth": 4, "depth_single_blocks": 5},
     "ltxv": {"num_layers": 5, "attention_head_dim": 12},
+    "ltx2": {"num_layers": 4, "attention_head_dim": 12},
+    "mochi": {},
 }
 
 
@@ -42,6 +45,8 @@ OTHER_DIFFUSERS_DEPTH = {
     "wan-vace": {"num_layers": 3, "vace_layers": [0, 1, 2]},
     "hunyuan-video": {"num_layers": 4, "num_single_layers": 5},
     "ltxv": {"num_layers": 5},
+    "ltx2": {"num_layers": 4, "attention_head_dim": 12, "num_attention_heads": 4},
+    "mochi": {},
 }
 
 
@@ -55,12 +60,15 @@ def test_the_table_is_what_diffusers_converters_give():
     table = derive.json.loads(derive.TABLE.read_text(encoding="utf-8"))
     if table["diffusers"] != diffusers.__version__:
         pytest.skip(f"the table was traced with diffusers {table['diffusers']}, {diffusers.__version__} is installed")
-    assert derive.derive() == table["architectures"]
+    here = [arch for arch in ARCHS.values() if derive.available(arch)]  # 0.3.75 has no LTX-2
+    assert derive.derive(here) == {arch.name: table["architectures"][arch.name] for arch in here}
 
 
 @pytest.mark.parametrize("name", sorted(OTHER_SHAPES))
 def test_rules_give_the_converters_weights_at_another_depth_and_width(name):
     arch = ARCHS[name]
+    if not derive.available(arch):
+        pytest.skip(f"this ComfyUI has no {arch.supported}")
     config = {**arch.config, **OTHER_SHAPES[name]}
     model = derive.meta_model(arch, config)
     traced = {}

@@ -58,6 +58,14 @@ if "meanflow_sum" not in {f.name for f in dataclasses.fields(HunyuanVideoParams)
     del HV_CONFIG["meanflow_sum"]  # 0.3.75's HunyuanVideo takes no meanflow_sum
 LTXV_CONFIG = {"image_model": "ltxv", "num_layers": 1, "attention_head_dim": 8, "cross_attention_dim": 64,
                "num_attention_heads": 4, "in_channels": 16, "out_channels": 16, "caption_channels": 32}
+LTX2_CONFIG = {**LTXV_CONFIG, "image_model": "ltxav"}
+# ComfyUI's detection of Mochi (model_detection.py: one released size), 2 blocks deep
+MOCHI_CONFIG = {"image_model": "mochi_preview", "depth": 2, "patch_size": 2, "num_heads": 24, "hidden_size_x": 3072,
+                "hidden_size_y": 1536, "mlp_ratio_x": 4.0, "mlp_ratio_y": 4.0, "learn_sigma": False, "in_channels": 12,
+                "qk_norm": True, "qkv_bias": False, "out_bias": True, "attn_drop": 0.0, "patch_embed_bias": True,
+                "posenc_preserve_area": True, "timestep_mlp_bias": True, "attend_to_padding": False,
+                "timestep_scale": 1000.0, "use_t5": True, "t5_feat_dim": 4096, "t5_token_length": 256,
+                "rope_theta": 10000.0}
 ZIMAGE_CONFIG = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 3840, "cap_feat_dim": 2560,
                  "n_layers": 1, "qk_norm": True, "n_heads": 30, "n_kv_heads": 30, "axes_dims": [32, 48, 48],
                  "axes_lens": [1536, 512, 512], "rope_theta": 256.0, "ffn_dim_multiplier": 8.0 / 3.0,
@@ -198,6 +206,14 @@ NAMES = [
     ("ai-toolkit", "zimage", "diffusion_model.layers.0.feed_forward.w1", PEFT,
      "diffusion_model.layers.0.feed_forward.w1.weight", None,
      "ostris/ai-toolkit extensions_built_in/diffusion_models/z_image/z_image.py (transformer. -> diffusion_model.)"),
+    ("SimpleTuner", "ltx2", "transformer.transformer_blocks.0.audio_attn1.to_q", PEFT,
+     "diffusion_model.transformer_blocks.0.audio_attn1.to_q.weight", None, SIMPLETUNER_PEFT),
+    ("SimpleTuner", "ltx2", "lycoris_transformer_blocks_0_video_to_audio_attn_to_k", LORA,
+     "diffusion_model.transformer_blocks.0.video_to_audio_attn.to_k.weight", None, SIMPLETUNER_LYCORIS),
+    ("diffusers", "mochi", "transformer.transformer_blocks.0.attn1.to_k", PEFT,
+     "diffusion_model.blocks.0.attn.qkv_x.weight", (0, 3072, 3072), SIMPLETUNER_PEFT),
+    ("diffusers", "mochi", "transformer.transformer_blocks.1.attn1.add_v_proj", PEFT,
+     "diffusion_model.blocks.1.attn.qkv_y.weight", (0, 2 * 3072, 3072), SIMPLETUNER_PEFT),  # y attends with x heads
     ("ai-toolkit", "sd15", "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q", LORA, SD15_TO_Q,
      None, AI_TOOLKIT),
     ("ai-toolkit", "sd15", "lora_te_text_model_encoder_layers_0_self_attn_q_proj", LORA, SD15_TE_Q, None, AI_TOOLKIT),
@@ -259,6 +275,8 @@ def _params() -> list:
         trainer, arch, name = entry[:3]
         reason = EXPECTED_MISSES.get((arch, name))
         marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        if arch == "ltx2" and not hasattr(supported, "LTXAV"):
+            marks.append(pytest.mark.skip(reason="this ComfyUI has no LTX-2 (LTXAV)"))
         params.append(pytest.param(*entry, id=f"{trainer}-{arch}-{name}", marks=marks))
     return params
 
@@ -269,7 +287,9 @@ def meta_models():
     configs = {"sdxl": (supported.SDXL, SDXL_CONFIG), "flux": (supported.Flux, FLUX_CONFIG),
                "wan": (supported.WAN21_T2V, WAN_CONFIG), "wan_i2v": (supported.WAN21_I2V, WAN_I2V_CONFIG),
                "hunyuan_video": (supported.HunyuanVideo, HV_CONFIG), "ltxv": (supported.LTXV, LTXV_CONFIG),
-               "zimage": (supported.ZImage, ZIMAGE_CONFIG)}
+               "zimage": (supported.ZImage, ZIMAGE_CONFIG), "mochi": (supported.GenmoMochi, MOCHI_CONFIG)}
+    if hasattr(supported, "LTXAV"):  # 0.3.75 has no LTX-2
+        configs["ltx2"] = (supported.LTXAV, LTX2_CONFIG)
     models = {arch: cls(dict(config)).get_model({}, "", device="meta") for arch, (cls, config) in configs.items()}
     models["sdxl_clip"] = comfy.sdxl_clip.SDXLClipModel(device="meta", dtype=torch.float16)
     models["flux_clip"] = comfy.text_encoders.flux.FluxClipModel(device="meta", dtype=torch.float16)
