@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import json
 import math
 import re
@@ -45,10 +46,13 @@ class Arch:
     name: str
     supported: str  # comfy.supported_models class
     config: dict
-    converter: str  # diffusers.loaders.single_file_utils function
+    converter: str  # diffusers.loaders.single_file_utils function, or "diffsynth:<module>.<function>"
     # ComfyUI renames some original checkpoint names when it loads them (its process_unet_state_dict); the
-    # converter reads the original names, so the trace starts from them.
+    # converter reads the original names, so the trace starts from them: ComfyUI's own `transformer.<original>`
+    # key-map entries (HunyuanVideo's diffusion-pipe names), and the reverse of the renames below (ComfyUI's
+    # fragment, the original's), each kept only where ComfyUI's own renaming gives the ComfyUI name back.
     original_from_comfy_map: bool = False
+    original_renames: tuple[tuple[str, str], ...] = ()
     # The dataclass that takes the config, where older ComfyUIs take fewer fields (0.3.75's HunyuanVideo has no
     # meanflow_sum): fields it lacks are left out.
     params: str | None = None
@@ -92,6 +96,13 @@ def _mochi(**extra) -> dict:
             "rope_theta": 10000.0, **extra}
 
 
+def _flux(**extra) -> dict:
+    return {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32, "context_in_dim": 32,
+            "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 4, "depth": 3, "depth_single_blocks": 3,
+            "axes_dim": [4, 6, 6], "theta": 10000, "patch_size": 2, "qkv_bias": True, "guidance_embed": True,
+            "txt_ids_dims": [], **extra}
+
+
 ARCHS: list[Arch] = [
     Arch("wan", "WAN21_T2V", _wan(), "convert_wan_transformer_to_diffusers",
          diffusers_model=("WanTransformer3DModel", {"num_layers": 3})),
@@ -102,11 +113,26 @@ ARCHS: list[Arch] = [
          diffusers_model=("WanVACETransformer3DModel", {"num_layers": 3, "vace_layers": [0, 2]})),
     Arch("hunyuan-video", "HunyuanVideo", _hunyuan_video(), "convert_hunyuan_video_transformer_to_diffusers",
          original_from_comfy_map=True, params="comfy.ldm.hunyuan_video.model.HunyuanVideoParams",
+         # supported_models.HunyuanVideo.process_unet_state_dict's renames of the embedders, which its key map
+         # lists only under ComfyUI's own names
+         original_renames=(("time_in.in_layer.", "time_in.mlp.0."), ("time_in.out_layer.", "time_in.mlp.2."),
+                           ("guidance_in.in_layer.", "guidance_in.mlp.0."),
+                           ("guidance_in.out_layer.", "guidance_in.mlp.2."),
+                           ("txt_in.t_embedder.in_layer.", "txt_in.t_embedder.mlp.0."),
+                           ("txt_in.t_embedder.out_layer.", "txt_in.t_embedder.mlp.2."),
+                           ("txt_in.c_embedder.in_layer.", "txt_in.c_embedder.linear_1."),
+                           ("txt_in.c_embedder.out_layer.", "txt_in.c_embedder.linear_2.")),
          diffusers_model=("HunyuanVideoTransformer3DModel", {"num_layers": 3, "num_single_layers": 3})),
     Arch("ltxv", "LTXV", _ltxv(), "convert_ltx_transformer_checkpoint_to_diffusers",
          diffusers_model=("LTXVideoTransformer3DModel", {"num_layers": 3})),
     Arch("ltx2", "LTXAV", _ltx2(), "convert_ltx2_transformer_to_diffusers",
          diffusers_model=("LTX2VideoTransformer3DModel", {"num_layers": 3})),
+    # DiffSynth-Studio's own Flux (diffsynth/models/flux_dit.py), whose names its LoRAs keep unless trained with
+    # --align_to_opensource_format; its converter from the original (BFL) names is a plain rename. No diffusers model
+    # to check against: every name it gives is its model's.
+    Arch("diffsynth-flux", "Flux", _flux(), "diffsynth:flux_dit.FluxDiTStateDictConverter",
+         params="comfy.ldm.flux.model.FluxParams",
+         original_renames=((".key_norm.weight", ".key_norm.scale"), (".query_norm.weight", ".query_norm.scale"))),
     Arch("mochi", "GenmoMochi", _mochi(), "convert_mochi_transformer_checkpoint_to_diffusers",
          diffusers_model=("MochiTransformer3DModel", {"num_layers": 48})),
 ]
@@ -138,27 +164,46 @@ def comfy_params(model) -> dict[str, tuple[int, ...]]:
     return {k[len(prefix):]: tuple(v.shape) for k, v in model.state_dict().items() if k.startswith(prefix)}
 
 
-def original_names(arch: Arch, model, weights) -> dict[str, str]:
-    """ComfyUI path -> the original checkpoint's name the converter reads. Where ComfyUI renames on load, the
-    originals are its own `transformer.<original path>` key-map entries (HunyuanVideo's diffusion-pipe names), each
-    checked the way ComfyUI loads: its renaming of the original name must give the ComfyUI name back."""
-    if not arch.original_from_comfy_map:
-        return dict(zip(weights, weights))
-    comfy = _comfy()
+def original_names(arch: Arch, model, params) -> dict[str, str]:
+    """ComfyUI path -> the original checkpoint's name the converter reads (see Arch.original_renames)."""
     config = model.model_config
+    candidates: dict[str, list[str]] = {path: [] for path in params}
+    if arch.original_from_comfy_map:
+        for name, target in _comfy().lora.model_lora_keys_unet(model, {}).items():
+            if isinstance(name, str) and isinstance(target, str) and name.startswith("transformer."):
+                path = target[len("diffusion_model."):]
+                if path in candidates:
+                    candidates[path].append(name[len("transformer."):] + WEIGHT)
+    for path in params:
+        candidates[path] += [path.replace(ours, theirs) for ours, theirs in arch.original_renames if ours in path]
     originals = {}
-    for name, target in comfy.lora.model_lora_keys_unet(model, {}).items():
-        if isinstance(name, str) and isinstance(target, str) and name.startswith("transformer."):
-            path, original = target[len("diffusion_model."):], name[len("transformer."):] + WEIGHT
-            if path in weights and list(config.process_unet_state_dict({original: None})) == [path]:
-                originals.setdefault(path, original)
+    for path, found in candidates.items():
+        if not arch.original_from_comfy_map:
+            found.append(path)  # a name ComfyUI loads as it is, unless a rename above gives it
+        loaded_as_path = [c for c in found if list(config.process_unet_state_dict({c: None})) == [path]]
+        if loaded_as_path:
+            originals[path] = min(loaded_as_path, key=lambda c: c == path)  # a renamed original first
     return originals
+
+
+def converter(arch: Arch):
+    """The converter function: diffusers', or DiffSynth-Studio's file loaded on its own (its package imports
+    training dependencies the converter does not need; it is installed without them)."""
+    if not arch.converter.startswith("diffsynth:"):
+        from diffusers.loaders import single_file_utils
+        return getattr(single_file_utils, arch.converter)
+    module, function = arch.converter[len("diffsynth:"):].rsplit(".", 1)
+    package = Path(importlib.util.find_spec("diffsynth").submodule_search_locations[0])
+    spec = importlib.util.spec_from_file_location(f"diffsynth_{module}", package / "utils" / "state_dict_converters"
+                                                  / f"{module}.py")
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return getattr(loaded, function)
 
 
 def trace(arch: Arch, config: dict | None = None) -> dict[str, object]:
     """diffusers weight name -> (ComfyUI path, row start, row count, rows of the whole) or "converted"."""
     import torch
-    from diffusers.loaders import single_file_utils
 
     model = meta_model(arch, config)
     params = comfy_params(model)
@@ -170,7 +215,7 @@ def trace(arch: Arch, config: dict | None = None) -> dict[str, object]:
         tags = ids[path] * ROW_TAG + torch.arange(shape[0] if shape else 1, dtype=torch.float64)
         checkpoint[orig] = tags.reshape(shape[0], *([1] * (len(shape) - 1))) if shape else tags[0]
     by_id = {i: path for path, i in ids.items()}
-    converted = getattr(single_file_utils, arch.converter)(checkpoint)
+    converted = converter(arch)(checkpoint)
     found: dict[str, object] = {}
     for name, tensor in converted.items():
         if not name.endswith(WEIGHT) or not isinstance(tensor, torch.Tensor) or tensor.ndim == 0:
@@ -187,7 +232,8 @@ def trace(arch: Arch, config: dict | None = None) -> dict[str, object]:
         if path is None or not contiguous:
             found[name] = "converted"
             continue
-        found[name] = (path, int(rows[0]), len(rows), params[path][0])
+        if path.endswith(WEIGHT):  # 0.3.75 keeps Flux's norms as `.scale`: no weight a `.weight` change goes to
+            found[name] = (path, int(rows[0]), len(rows), params[path][0])
     return found
 
 
@@ -266,12 +312,13 @@ def derive(archs: list[Arch] | None = None) -> dict:
     table = {}
     for arch in archs or ARCHS:
         found = trace(arch)
-        known = diffusers_weights(arch)
+        known = diffusers_weights(arch) if arch.diffusers_model[0] else set(found)
         missing = sorted(name[: -len(WEIGHT)] for name in found if name not in known)
         rules, converted = generalise({k: v for k, v in found.items() if k in known},
                                       block_stacks(meta_model(arch)))
+        source = arch.converter if ":" in arch.converter else f"diffusers.loaders.single_file_utils.{arch.converter}"
         table[arch.name] = {"image_model": arch.config["image_model"], "supported_model": arch.supported,
-                            "converter": f"diffusers.loaders.single_file_utils.{arch.converter}",
+                            "converter": source,
                             "rules": rules, "converted": converted}
         if missing:  # depends on which of ComfyUI's names the trace starts from, so it is said, not stored
             print(f"{arch.name}: not modules of diffusers' {arch.diffusers_model[0]}, left out: {', '.join(missing)}",

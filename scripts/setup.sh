@@ -218,6 +218,9 @@ if [[ "$COMFY" == 0.33 ]]; then
     # comfy.sd imports torchaudio; the registry's newest (pure Python) must not replace our torch.
     pip_ install -q --progress-bar off --no-deps torchaudio==2.11.0
 fi
+# DiffSynth-Studio's Flux name converter (scripts/derive_diffusers_names.py, tests/test_diffusers_names.py) is one
+# file that needs only torch; the package's own dependencies (modelscope, training tools) are not installed.
+pip_ install -q --progress-bar off --no-deps diffsynth==2.1.12
 log "pip done in $((SECONDS - start)) s"
 
 "$PY" - <<'PYEOF'

@@ -123,6 +123,9 @@ SD_SCRIPTS = "kohya-ss/sd-scripts networks/lora.py (lora_unet_, SDXL U-Net in it
 # z_image_dit.py): PEFT's state dict of its own model, no prefix, adapter name kept (`.lora_A.default.weight`).
 DIFFSYNTH = "modelscope/DiffSynth-Studio (PEFT state dict of its own model: original Wan / Z-Image paths, no prefix)"
 PEFT_DEFAULT = ("lora_A.default.weight", "lora_B.default.weight")
+# Its Flux keeps DiffSynth's own names (diffsynth/models/flux_dit.py) unless trained with --align_to_opensource_format;
+# the map comes from its converter (diffsynth/utils/state_dict_converters/flux_dit.py), see diffusers_names.json.
+DIFFSYNTH_FLUX = "modelscope/DiffSynth-Studio FluxDiT names (blocks.N.attn.a_to_qkv, single_blocks.N.to_qkv_mlp)"
 MUSUBI_HV = ("kohya-ss/musubi-tuner src/musubi_tuner/networks/lora.py (HunyuanVideo: Tencent's names, "
              "hunyuan_model/models.py: img_attn_qkv, img_mlp.fc1)")
 MUSUBI_ZI = ("kohya-ss/musubi-tuner src/musubi_tuner/networks/lora_zimage.py (zimage/zimage_model.py: split "
@@ -198,6 +201,11 @@ NAMES = [
     ("musubi-tuner", "zimage", "lora_unet_layers_0_feed_forward_w2", LORA,
      "diffusion_model.layers.0.feed_forward.w2.weight", None, MUSUBI_ZI),
     ("DiffSynth-Studio", "zimage", "layers.0.attention.to_k", PEFT_DEFAULT, ZI_QKV, (0, ZI_DIM, ZI_DIM), DIFFSYNTH),
+    ("DiffSynth-Studio", "flux", "blocks.0.attn.a_to_qkv", PEFT_DEFAULT, FLUX_QKV, None, DIFFSYNTH_FLUX),
+    ("DiffSynth-Studio", "flux", "single_blocks.1.to_qkv_mlp", PEFT_DEFAULT,
+     "diffusion_model.single_blocks.1.linear1.weight", None, DIFFSYNTH_FLUX),
+    ("DiffSynth-Studio", "flux", "blocks.1.ff_b.2", PEFT_DEFAULT, "diffusion_model.double_blocks.1.txt_mlp.2.weight",
+     None, DIFFSYNTH_FLUX),
     ("SimpleTuner", "zimage", "transformer.layers.0.attention.to_q", PEFT, ZI_QKV, (0, 0, ZI_DIM), SIMPLETUNER_PEFT),
     ("SimpleTuner", "zimage", "lycoris_layers_0_attention_to_k", LORA, ZI_QKV, (0, ZI_DIM, ZI_DIM),
      SIMPLETUNER_LYCORIS),

@@ -35,8 +35,8 @@ goes through the same diffusers converter, so a diffusers weight that is rows of
 through the converter's own split. Every module of the file must apply (no problems, no unused keys), every adapted
 diffusers weight must be within 1e-4 of its largest change (fp32) of the truth, and every other weight untouched.
 
-Beyond the trainers' targets, a LoRA on every Linear and Conv3d of each twin. HunyuanVideo's is a strict xfail: the
-table has no rule for its timestep/guidance/token-refiner embedders (see EVERY_LAYER_XFAIL). Its norm_out.linear
+Beyond the trainers' targets, a LoRA on every Linear and Conv3d of each twin, embedders included. HunyuanVideo's
+norm_out.linear
 (final_layer.adaLN_modulation.1 with the halves swapped) is left unmapped on purpose and is checked to be refused.
 """
 
@@ -414,16 +414,6 @@ def read_keys(written: dict[str, bytes]) -> list[str]:
 # diffusers' HunyuanVideo norm_out.linear is ComfyUI's final_layer.adaLN_modulation.1 with its two halves swapped by
 # the converter: diffusers_names.json records it as converted and leaves it unmapped on purpose (refused, below).
 UNMAPPED_ON_PURPOSE = {"hunyuan-video": {"norm_out.linear"}}
-# diffusers_names.json was traced from ComfyUI's key-map names, and ComfyUI keeps no Tencent name for these
-# embedders (its `transformer.time_in.in_layer` is its own name; Tencent's is time_in.mlp.0, the token refiner's
-# t_embedder.mlp.0 / c_embedder.linear_1): the converter passed them through unrenamed, the script dropped them as
-# `not_in_diffusers_model`, so their diffusers names map to nothing.
-HUNYUAN_EMBEDDERS = ("time_text_embed.timestep_embedder.linear_{1,2}, time_text_embed.guidance_embedder.linear_{1,2}, "
-                     "context_embedder.time_text_embed.{timestep,text}_embedder.linear_{1,2}")
-EVERY_LAYER_XFAIL = {"hunyuan-video": f"diffusers_names.json has no rule for HunyuanVideo's {HUNYUAN_EMBEDDERS}: "
-                                      "traced from ComfyUI's own names (time_in.in_layer), not Tencent's "
-                                      "(time_in.mlp.0), which the converter renames; reported as 'no weight of "
-                                      "this model has this name'"}
 
 
 def every_layer(models: Models, arch_id: str) -> list[str]:
@@ -433,9 +423,7 @@ def every_layer(models: Models, arch_id: str) -> list[str]:
             and name not in UNMAPPED_ON_PURPOSE.get(arch_id, ())]
 
 
-@pytest.mark.parametrize("arch_id", [
-    pytest.param(a, marks=pytest.mark.xfail(strict=True, reason=EVERY_LAYER_XFAIL[a])) if a in EVERY_LAYER_XFAIL
-    else a for a in ARCHS])
+@pytest.mark.parametrize("arch_id", ARCHS)
 def test_lora_on_every_layer_applies_fully(arch_id, archs, loras, tmp_path):
     """A LoRA on every Linear and Conv3d of the diffusers model (PEFT's save_pretrained): embedders, modulation,
     the patch embedding and the output projection as well as the blocks."""
