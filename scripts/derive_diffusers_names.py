@@ -103,6 +103,38 @@ def _flux(**extra) -> dict:
             "txt_ids_dims": [], **extra}
 
 
+def _flux2(**extra) -> dict:
+    # ComfyUI's detection of Flux.2 (model_detection.py), dev widths
+    return {"image_model": "flux2", "axes_dim": [32, 32, 32, 32], "mlp_ratio": 3.0, "theta": 2000,
+            "out_channels": 128, "global_modulation": True, "mlp_silu_act": True, "qkv_bias": False, "ops_bias": False,
+            "default_ref_method": "index", "ref_index_scale": 10.0, "txt_ids_dims": [3], "patch_size": 1,
+            "in_channels": 128, "vec_in_dim": None, "depth": 3, "depth_single_blocks": 3, "yak_mlp": False,
+            "txt_norm": False, "hidden_size": 6144, "num_heads": 48, "context_in_dim": 15360, "guidance_embed": True,
+            **extra}
+
+
+def _chroma(**extra) -> dict:
+    return {"image_model": "chroma", "axes_dim": [16, 56, 56], "num_heads": 24, "mlp_ratio": 4.0, "theta": 10000,
+            "out_channels": 64, "qkv_bias": True, "txt_ids_dims": [], "in_channels": 64, "hidden_size": 3072,
+            "context_in_dim": 4096, "patch_size": 2, "vec_in_dim": None, "depth": 3, "depth_single_blocks": 3,
+            "in_dim": 64, "out_dim": 3072, "hidden_dim": 5120, "n_layers": 5, **extra}
+
+
+def _cosmos_predict2(**extra) -> dict:
+    # ComfyUI's detection of Cosmos Predict2 2B (model_detection.py)
+    return {"image_model": "cosmos_predict2", "max_img_h": 240, "max_img_w": 240, "max_frames": 128,
+            "in_channels": 16, "out_channels": 16, "patch_spatial": 2, "patch_temporal": 1, "model_channels": 2048,
+            "concat_padding_mask": True, "crossattn_emb_channels": 1024, "pos_emb_cls": "rope3d",
+            "pos_emb_learnable": True, "pos_emb_interpolation": "crop", "min_fps": 1, "max_fps": 30,
+            "use_adaln_lora": True, "adaln_lora_dim": 256, "num_blocks": 3, "num_heads": 16,
+            "extra_per_block_abs_pos_emb": False, "rope_h_extrapolation_ratio": 4.0, "rope_w_extrapolation_ratio": 4.0,
+            "rope_t_extrapolation_ratio": 1.0, **extra}
+
+
+# ComfyUI's Flux family loads BFL's `.scale` norms as `.weight` (supported_models.Flux.process_unet_state_dict)
+FLUX_NORMS = ((".key_norm.weight", ".key_norm.scale"), (".query_norm.weight", ".query_norm.scale"))
+
+
 ARCHS: list[Arch] = [
     Arch("wan", "WAN21_T2V", _wan(), "convert_wan_transformer_to_diffusers",
          diffusers_model=("WanTransformer3DModel", {"num_layers": 3})),
@@ -132,7 +164,24 @@ ARCHS: list[Arch] = [
     # to check against: every name it gives is its model's.
     Arch("diffsynth-flux", "Flux", _flux(), "diffsynth:flux_dit.FluxDiTStateDictConverter",
          params="comfy.ldm.flux.model.FluxParams",
-         original_renames=((".key_norm.weight", ".key_norm.scale"), (".query_norm.weight", ".query_norm.scale"))),
+         original_renames=FLUX_NORMS),
+    # Flux.2, Chroma: ComfyUI's own map lists Flux.1's diffusers names for them; these fill in what it lacks
+    # (Flux.2's global modulation and time/guidance embedders, Chroma's distilled guidance layer)
+    Arch("flux2", "Flux2", _flux2(), "convert_flux2_transformer_checkpoint_to_diffusers",
+         params="comfy.ldm.flux.model.FluxParams", original_renames=FLUX_NORMS,
+         diffusers_model=("Flux2Transformer2DModel", {"num_layers": 3, "num_single_layers": 3})),
+    Arch("chroma", "Chroma", _chroma(), "convert_chroma_transformer_checkpoint_to_diffusers",
+         params="comfy.ldm.chroma.model.ChromaParams",
+         original_renames=FLUX_NORMS + tuple((f"norms.{i}.weight", f"norms.{i}.scale") for i in range(5))
+         + ((".norm.weight", ".norm.scale"),),
+         diffusers_model=("ChromaTransformer2DModel", {"num_layers": 3, "num_single_layers": 3})),
+    Arch("cosmos-predict2", "CosmosT2IPredict2", _cosmos_predict2(),
+         "convert_cosmos_transformer_checkpoint_to_diffusers",
+         diffusers_model=("CosmosTransformer3DModel", {
+             "in_channels": 16, "out_channels": 16, "num_attention_heads": 16, "attention_head_dim": 128,
+             "num_layers": 3, "mlp_ratio": 4.0, "text_embed_dim": 1024, "adaln_lora_dim": 256,
+             "max_size": (128, 240, 240), "patch_size": (1, 2, 2), "rope_scale": (1.0, 4.0, 4.0),
+             "concat_padding_mask": True, "extra_pos_embed_type": None})),
     Arch("mochi", "GenmoMochi", _mochi(), "convert_mochi_transformer_checkpoint_to_diffusers",
          diffusers_model=("MochiTransformer3DModel", {"num_layers": 48})),
 ]

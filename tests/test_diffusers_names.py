@@ -9,18 +9,10 @@ nodes/diffusers_names.json is written by scripts/derive_diffusers_names.py, whic
   diffusers name, and nothing it does not.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from derive_names import derive
 from lycoris_nodes.nodes import keymap
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("derive_diffusers_names", ROOT / "scripts" / "derive_diffusers_names.py")
-derive = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = derive  # its dataclasses look their module up
-_spec.loader.exec_module(derive)
 ARCHS = {arch.name: arch for arch in derive.ARCHS}
 WEIGHT = ".weight"
 
@@ -36,6 +28,10 @@ OTHER_SHAPES = {
     "ltx2": {"num_layers": 4, "attention_head_dim": 12},
     "mochi": {},
     "diffsynth-flux": {"depth": 4, "depth_single_blocks": 2, "hidden_size": 96, "num_heads": 6},
+    "flux2": {"depth": 2, "depth_single_blocks": 4, "hidden_size": 3072, "num_heads": 24, "context_in_dim": 7680,
+              "guidance_embed": False},  # Klein 4B widths
+    "chroma": {"depth": 4, "depth_single_blocks": 2},
+    "cosmos-predict2": {"num_blocks": 5},
 }
 
 
@@ -49,6 +45,10 @@ OTHER_DIFFUSERS_DEPTH = {
     "ltx2": {"num_layers": 4, "attention_head_dim": 12, "num_attention_heads": 4},
     "mochi": {},
     "diffsynth-flux": None,  # DiffSynth's converter is a rename of every name it knows: nothing to check against
+    "flux2": {"num_layers": 2, "num_single_layers": 4, "num_attention_heads": 24, "joint_attention_dim": 7680,
+              "guidance_embeds": False},
+    "chroma": {"num_layers": 4, "num_single_layers": 2},
+    "cosmos-predict2": {"num_layers": 5},
 }
 
 

@@ -21,6 +21,7 @@ import test_nodes
 import torch
 from comfy.ldm.flux.model import FluxParams
 from comfy.ldm.hunyuan_video.model import HunyuanVideoParams
+from derive_names import derive
 from lycoris_nodes.lycoris_core import parse_state_dict
 from lycoris_nodes.lycoris_core.keys import split_key
 from lycoris_nodes.nodes.apply import build_patches, lora_key_map, map_file, model_shapes
@@ -59,6 +60,9 @@ if "meanflow_sum" not in {f.name for f in dataclasses.fields(HunyuanVideoParams)
 LTXV_CONFIG = {"image_model": "ltxv", "num_layers": 1, "attention_head_dim": 8, "cross_attention_dim": 64,
                "num_attention_heads": 4, "in_channels": 16, "out_channels": 16, "caption_channels": 32}
 LTX2_CONFIG = {**LTXV_CONFIG, "image_model": "ltxav"}
+# released widths, on the meta device, as scripts/derive_diffusers_names.py builds them
+FLUX2_CONFIG, CHROMA_CONFIG = derive._flux2(depth=1, depth_single_blocks=1), derive._chroma(depth=1)
+COSMOS_CONFIG = derive._cosmos_predict2(num_blocks=1)
 # ComfyUI's detection of Mochi (model_detection.py: one released size), 2 blocks deep
 MOCHI_CONFIG = {"image_model": "mochi_preview", "depth": 2, "patch_size": 2, "num_heads": 24, "hidden_size_x": 3072,
                 "hidden_size_y": 1536, "mlp_ratio_x": 4.0, "mlp_ratio_y": 4.0, "learn_sigma": False, "in_channels": 12,
@@ -222,6 +226,16 @@ NAMES = [
      "diffusion_model.blocks.0.attn.qkv_x.weight", (0, 3072, 3072), SIMPLETUNER_PEFT),
     ("diffusers", "mochi", "transformer.transformer_blocks.1.attn1.add_v_proj", PEFT,
      "diffusion_model.blocks.1.attn.qkv_y.weight", (0, 2 * 3072, 3072), SIMPLETUNER_PEFT),  # y attends with x heads
+    ("diffusers", "cosmos", "transformer.transformer_blocks.0.attn1.to_q", PEFT,
+     "diffusion_model.blocks.0.self_attn.q_proj.weight", None, SIMPLETUNER_PEFT),
+    ("SimpleTuner", "cosmos", "lycoris_transformer_blocks_0_ff_net_0_proj", LORA,
+     "diffusion_model.blocks.0.mlp.layer1.weight", None, SIMPLETUNER_LYCORIS),
+    ("SimpleTuner", "flux2", "transformer.double_stream_modulation_img.linear", PEFT,
+     "diffusion_model.double_stream_modulation_img.lin.weight", None, SIMPLETUNER_PEFT),
+    ("SimpleTuner", "flux2", "transformer.time_guidance_embed.timestep_embedder.linear_1", PEFT,
+     "diffusion_model.time_in.in_layer.weight", None, SIMPLETUNER_PEFT),
+    ("SimpleTuner", "chroma", "lycoris_distilled_guidance_layer_layers_0_linear_1", LORA,
+     "diffusion_model.distilled_guidance_layer.layers.0.in_layer.weight", None, SIMPLETUNER_LYCORIS),
     ("ai-toolkit", "sd15", "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q", LORA, SD15_TO_Q,
      None, AI_TOOLKIT),
     ("ai-toolkit", "sd15", "lora_te_text_model_encoder_layers_0_self_attn_q_proj", LORA, SD15_TE_Q, None, AI_TOOLKIT),
@@ -299,6 +313,10 @@ def meta_models():
     if hasattr(supported, "LTXAV"):  # 0.3.75 has no LTX-2
         configs["ltx2"] = (supported.LTXAV, LTX2_CONFIG)
     models = {arch: cls(dict(config)).get_model({}, "", device="meta") for arch, (cls, config) in configs.items()}
+    traced = {arch.name: arch for arch in derive.ARCHS}  # built as the script builds them (fields per ComfyUI)
+    for arch, name, config in (("flux2", "flux2", FLUX2_CONFIG), ("chroma", "chroma", CHROMA_CONFIG),
+                               ("cosmos", "cosmos-predict2", COSMOS_CONFIG)):
+        models[arch] = derive.meta_model(traced[name], config)
     models["sdxl_clip"] = comfy.sdxl_clip.SDXLClipModel(device="meta", dtype=torch.float16)
     models["flux_clip"] = comfy.text_encoders.flux.FluxClipModel(device="meta", dtype=torch.float16)
     return models
