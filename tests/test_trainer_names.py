@@ -75,6 +75,12 @@ ZIMAGE_CONFIG = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "
                  "axes_lens": [1536, 512, 512], "rope_theta": 256.0, "ffn_dim_multiplier": 8.0 / 3.0,
                  "z_image_modulation": True, "time_scale": 1000.0}
 HV = HV_CONFIG["hidden_size"]
+# HunyuanVideo 1.5 (ComfyUI's HunyuanVideo15: HunyuanVideo's blocks at 2048, no single blocks), as detection sets it
+HV15_CONFIG = {**HV_CONFIG, "in_channels": 65, "patch_size": [1, 1, 1], "out_channels": 32, "vec_in_dim": None,
+               "context_in_dim": 3584, "hidden_size": 2048, "num_heads": 16, "depth_single_blocks": 0, "byt5": True,
+               "guidance_embed": False, "use_cond_type_embedding": True, "vision_in_dim": 1152}
+if "meanflow_sum" in HV_CONFIG:
+    HV15_CONFIG["meanflow_sum"] = True
 HIDDEN = FLUX_CONFIG["hidden_size"]
 MLP = int(HIDDEN * FLUX_CONFIG["mlp_ratio"])
 
@@ -226,6 +232,12 @@ NAMES = [
      "diffusion_model.blocks.0.attn.qkv_x.weight", (0, 3072, 3072), SIMPLETUNER_PEFT),
     ("diffusers", "mochi", "transformer.transformer_blocks.1.attn1.add_v_proj", PEFT,
      "diffusion_model.blocks.1.attn.qkv_y.weight", (0, 2 * 3072, 3072), SIMPLETUNER_PEFT),  # y attends with x heads
+    # SimpleTuner trains HunyuanVideo 1.5 only (notes: helpers/models/hunyuanvideo); diffusers' 1.5 blocks keep 1.0's
+    # names, so HunyuanVideo's converter rules place them (checked against diffusers' repository script by hand)
+    ("SimpleTuner", "hunyuan_video15", "transformer.transformer_blocks.0.attn.add_k_proj", PEFT,
+     "diffusion_model.double_blocks.0.txt_attn.qkv.weight", (0, 2048, 2048), SIMPLETUNER_PEFT),
+    ("SimpleTuner", "hunyuan_video15", "transformer.transformer_blocks.0.ff.net.2", PEFT,
+     "diffusion_model.double_blocks.0.img_mlp.2.weight", None, SIMPLETUNER_PEFT),
     ("diffusers", "cosmos", "transformer.transformer_blocks.0.attn1.to_q", PEFT,
      "diffusion_model.blocks.0.self_attn.q_proj.weight", None, SIMPLETUNER_PEFT),
     ("SimpleTuner", "cosmos", "lycoris_transformer_blocks_0_ff_net_0_proj", LORA,
@@ -309,6 +321,7 @@ def meta_models():
     configs = {"sdxl": (supported.SDXL, SDXL_CONFIG), "flux": (supported.Flux, FLUX_CONFIG),
                "wan": (supported.WAN21_T2V, WAN_CONFIG), "wan_i2v": (supported.WAN21_I2V, WAN_I2V_CONFIG),
                "hunyuan_video": (supported.HunyuanVideo, HV_CONFIG), "ltxv": (supported.LTXV, LTXV_CONFIG),
+               "hunyuan_video15": (supported.HunyuanVideo15, HV15_CONFIG),
                "zimage": (supported.ZImage, ZIMAGE_CONFIG), "mochi": (supported.GenmoMochi, MOCHI_CONFIG)}
     if hasattr(supported, "LTXAV"):  # 0.3.75 has no LTX-2
         configs["ltx2"] = (supported.LTXAV, LTX2_CONFIG)
