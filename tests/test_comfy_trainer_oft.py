@@ -78,20 +78,24 @@ def train_inputs(model) -> dict[str, list]:
     return inputs
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """The file SaveLoRA writes for a TrainLoraNode run (on a model of its own: the trainer sets train mode and
-    wraps weights)."""
-    model = comfy.sd.load_checkpoint_guess_config(str(_tiny_sd15_path()))[0]
-    output = run_node(nodes_train.TrainLoraNode, train_inputs(model))
-    (lora,) = [r for r in output.result if isinstance(r, dict) and any(k.endswith(".oft_blocks") for k in r)]
+def train_and_save(folder, algorithm: str, marker: str, name: str):
+    """The file SaveLoRA writes into `folder` for one TrainLoraNode step with `algorithm` (on a model of its own:
+    the trainer sets train mode and wraps weights); `marker` is a key suffix the trained adapter has."""
+    inputs = train_inputs(comfy.sd.load_checkpoint_guess_config(str(_tiny_sd15_path()))[0])
+    inputs["algorithm"] = [algorithm]
+    output = run_node(nodes_train.TrainLoraNode, inputs)
+    (lora,) = [r for r in output.result if isinstance(r, dict) and any(k.endswith(marker) for k in r)]
     comfy.model_management.unload_all_models()
-    folder = tmp_path_factory.mktemp("comfy_output")
     with pytest.MonkeyPatch.context() as patch:  # SaveLoRA writes under ComfyUI's output folder
         patch.setattr(folder_paths, "output_directory", str(folder))
-        execute(nodes_train.SaveLoRA, lora=lora, prefix="loras/comfy_oft", steps=1)
-    (path,) = (folder / "loras").glob("comfy_oft_1_steps_*.safetensors")
+        execute(nodes_train.SaveLoRA, lora=lora, prefix=f"loras/{name}", steps=1)
+    (path,) = (folder / "loras").glob(f"{name}_1_steps_*.safetensors")
     return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return train_and_save(tmp_path_factory.mktemp("comfy_output"), "OFT", ".oft_blocks", "comfy_oft")
 
 
 def oft_prefixes(sd) -> list[str]:

@@ -469,25 +469,9 @@ def test_diffsynth_file_written_by_diffsynths_own_save_code(tmp_path):
 def comfy_trained(tmp_path_factory):
     """The file SaveLoRA writes for one TrainLoraNode step with LoRA, its default algorithm (as
     test_comfy_trainer_oft.py runs it for OFT)."""
-    import comfy.model_management
-    import comfy.sd
-    import folder_paths
-    from comfy_extras import nodes_train
-    from node_runner import execute
-    from test_comfy_trainer_oft import run_node, train_inputs
-    from test_nodes import _tiny_sd15_path
+    from test_comfy_trainer_oft import train_and_save
 
-    inputs = train_inputs(comfy.sd.load_checkpoint_guess_config(str(_tiny_sd15_path()))[0])
-    inputs["algorithm"] = ["LoRA"]
-    output = run_node(nodes_train.TrainLoraNode, inputs)
-    (lora,) = [r for r in output.result if isinstance(r, dict) and any(k.endswith(".lora_up.weight") for k in r)]
-    comfy.model_management.unload_all_models()
-    folder = tmp_path_factory.mktemp("comfy_output")
-    with pytest.MonkeyPatch.context() as patch:  # SaveLoRA writes under ComfyUI's output folder
-        patch.setattr(folder_paths, "output_directory", str(folder))
-        execute(nodes_train.SaveLoRA, lora=lora, prefix="loras/comfy_lora", steps=1)
-    (path,) = (folder / "loras").glob("comfy_lora_1_steps_*.safetensors")
-    return path
+    return train_and_save(tmp_path_factory.mktemp("comfy_output"), "LoRA", ".lora_up.weight", "comfy_lora")
 
 
 def test_comfyui_trainer_file(comfy_trained):
