@@ -232,7 +232,8 @@ NAMES = [
      "diffusion_model.blocks.0.attn.qkv_x.weight", (0, 3072, 3072), SIMPLETUNER_PEFT),
     ("diffusers", "mochi", "transformer.transformer_blocks.1.attn1.add_v_proj", PEFT,
      "diffusion_model.blocks.1.attn.qkv_y.weight", (0, 2 * 3072, 3072), SIMPLETUNER_PEFT),  # y attends with x heads
-    # SimpleTuner trains HunyuanVideo 1.5 only (notes: helpers/models/hunyuanvideo); diffusers' 1.5 blocks keep 1.0's
+    # SimpleTuner (bghira/SimpleTuner at bc8e6ab7) trains HunyuanVideo 1.5 only (HunyuanVideo15Transformer3DModel,
+    # targets to_q/k/v, to_out.0 and add_q/k/v_proj, to_add_out); diffusers' 1.5 blocks keep 1.0's
     # names, so HunyuanVideo's converter rules place them (checked against diffusers' repository script by hand)
     ("SimpleTuner", "hunyuan_video15", "transformer.transformer_blocks.0.attn.add_k_proj", PEFT,
      "diffusion_model.double_blocks.0.txt_attn.qkv.weight", (0, 2048, 2048), SIMPLETUNER_PEFT),
