@@ -33,8 +33,6 @@ DIT_UNDERSCORED_PREFIXES = ("lycoris_", "lora_transformer_")
 # Tencent's names and Z-Image's split q/k/v, which are the paths ComfyUI's own map lists under `transformer.`
 # (its diffusion-pipe and z_image_to_diffusers entries); ComfyUI's `lora_unet_` entries use its own paths.
 MUSUBI = "lora_unet_"
-# DiffSynth-Studio saves PEFT's state dict of its own model, whose paths are the original model's (Wan:
-# `blocks.0.self_attn.q`), with no prefix: ComfyUI's paths without `diffusion_model.`.
 DIFFUSION_MODEL = "diffusion_model."
 # The prefixes under which ComfyUI itself lists a DiT's diffusers names; their paths are the modules we re-prefix.
 DIT_SOURCES = ("transformer.", "base_model.model.", "unet.base_model.model.")
@@ -162,11 +160,14 @@ def diffusion_model_names(model, comfy_map: dict) -> dict:
     unet = unet_module_paths(model)
     candidates = [(prefix + path, key) for path, key in unet.items() for prefix in UNET_PREFIXES]
     if not unet:
-        paths = dit_module_paths(comfy_map) + converted_module_paths(model)
+        listed = dit_module_paths(comfy_map)
+        paths = listed + converted_module_paths(model)
         candidates += [(prefix + path, target) for path, target in paths for prefix in DIT_PREFIXES]
         candidates += [(prefix + path.replace(".", "_"), target) for path, target in paths
                        for prefix in DIT_UNDERSCORED_PREFIXES]
-        candidates += [(MUSUBI + path.replace(".", "_"), target) for path, target in dit_module_paths(comfy_map)]
+        candidates += [(MUSUBI + path.replace(".", "_"), target) for path, target in listed]
+        # DiffSynth-Studio saves PEFT's state dict of its own model, whose paths are the original model's (Wan:
+        # `blocks.0.self_attn.q`), with no prefix: ComfyUI's paths without `diffusion_model.`.
         candidates += [(key[len(DIFFUSION_MODEL): -len(WEIGHT)], key) for key in model.state_dict()
                        if key.startswith(DIFFUSION_MODEL) and key.endswith(WEIGHT)]
     candidates += fused_part_names(comfy_map)
