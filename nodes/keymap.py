@@ -71,24 +71,26 @@ BLOCK_INDEX = re.compile(r"\\\{(\d+)\\\}")  # `{0}` as re.escape writes it
 
 
 @functools.cache
-def _converter_rules() -> dict[str, list[tuple[re.Pattern, str, tuple | None]]]:
-    """image_model -> (ComfyUI path pattern, diffusers path template, rows as (start, count, of) or None). A rule
-    for one block's exact path (Mochi's last block) comes first and stands for that block alone."""
+def _converter_rules() -> dict[tuple[str, str], list[tuple[re.Pattern, str, tuple | None]]]:
+    """(image_model, how files name the modules) -> (ComfyUI path pattern, converted path template, rows as (start,
+    count, of) or None). A rule for one block's exact path (Mochi's last block) comes first and stands for that
+    block alone."""
     table = json.loads(DIFFUSERS_NAMES.read_text(encoding="utf-8"))["architectures"]
-    rules: dict[str, list] = {}
+    rules: dict[tuple[str, str], list] = {}
     for arch in table.values():
         for rule in arch["rules"]:
             pattern = re.compile(BLOCK_INDEX.sub(r"(\\d+)", re.escape(rule["comfy"] + WEIGHT)))
             rows = tuple(rule["rows"]) if rule["rows"] else None
-            rules.setdefault(arch["image_model"], []).append((pattern, rule["diffusers"], rows))
-    return {model: sorted(found, key=lambda rule: rule[0].groups > 0) for model, found in rules.items()}
+            rules.setdefault((arch["image_model"], arch["names"]), []).append((pattern, rule["diffusers"], rows))
+    return {key: sorted(found, key=lambda rule: rule[0].groups > 0) for key, found in rules.items()}
 
 
-def converted_module_paths(model) -> list[tuple[str, object]]:
-    """diffusers module path -> ComfyUI weight key (or (key, rows) for a part of a fused weight), by the rules
-    diffusers' converters give for this architecture ([] for one they were not run on)."""
+def converted_module_paths(model, names: str = "diffusers") -> list[tuple[str, object]]:
+    """Converted module path -> ComfyUI weight key (or (key, rows) for a part of a fused weight), by the rules
+    the converters give for this architecture ([] for one they were not run on): diffusers' paths, or with
+    names="bare" the paths DiffSynth-Studio's own models use."""
     config = getattr(getattr(model, "model_config", None), "unet_config", None) or {}
-    rules = _converter_rules().get(config.get("image_model"), ())
+    rules = _converter_rules().get((config.get("image_model"), names), ())
     if not rules:
         return []
     paths = []
@@ -166,10 +168,11 @@ def diffusion_model_names(model, comfy_map: dict) -> dict:
         candidates += [(prefix + path.replace(".", "_"), target) for path, target in paths
                        for prefix in DIT_UNDERSCORED_PREFIXES]
         candidates += [(MUSUBI + path.replace(".", "_"), target) for path, target in listed]
-        # DiffSynth-Studio saves PEFT's state dict of its own model, whose paths are the original model's (Wan:
-        # `blocks.0.self_attn.q`), with no prefix: ComfyUI's paths without `diffusion_model.`.
+        # DiffSynth-Studio saves PEFT's state dict of its own model with no prefix: its paths are the original
+        # model's (Wan: `blocks.0.self_attn.q`, ComfyUI's paths without `diffusion_model.`) or its own (Flux).
         candidates += [(key[len(DIFFUSION_MODEL): -len(WEIGHT)], key) for key in model.state_dict()
                        if key.startswith(DIFFUSION_MODEL) and key.endswith(WEIGHT)]
+        candidates += converted_module_paths(model, names="bare")
     candidates += fused_part_names(comfy_map)
     return _merged(candidates)
 

@@ -60,6 +60,9 @@ class Arch:
     # module of it is dropped (ComfyUI's HunyuanVideo keeps no original name for a few embedders, so what the trace
     # starts from there is ComfyUI's own name, which the converter passes through unrenamed).
     diffusers_model: tuple[str, dict] = ("", {})
+    # how files name these modules: "diffusers" (under the pipeline's prefixes, and the LyCORIS wrapper's and
+    # OneTrainer's underscored forms) or "bare" (DiffSynth-Studio: PEFT's state dict of its own model, no prefix)
+    names: str = "diffusers"
 
 
 def _wan(**extra) -> dict:
@@ -163,7 +166,7 @@ ARCHS: list[Arch] = [
     # --align_to_opensource_format; its converter from the original (BFL) names is a plain rename. No diffusers model
     # to check against: every name it gives is its model's.
     Arch("diffsynth-flux", "Flux", _flux(), "diffsynth:flux_dit.FluxDiTStateDictConverter",
-         params="comfy.ldm.flux.model.FluxParams",
+         params="comfy.ldm.flux.model.FluxParams", names="bare",
          original_renames=FLUX_NORMS),
     # Flux.2, Chroma: ComfyUI's own map lists Flux.1's diffusers names for them; these fill in what it lacks
     # (Flux.2's global modulation and time/guidance embedders, Chroma's distilled guidance layer)
@@ -367,7 +370,7 @@ def derive(archs: list[Arch] | None = None) -> dict:
                                       block_stacks(meta_model(arch)))
         source = arch.converter if ":" in arch.converter else f"diffusers.loaders.single_file_utils.{arch.converter}"
         table[arch.name] = {"image_model": arch.config["image_model"], "supported_model": arch.supported,
-                            "converter": source,
+                            "converter": source, "names": arch.names,
                             "rules": rules, "converted": converted}
         if missing:  # depends on which of ComfyUI's names the trace starts from, so it is said, not stored
             print(f"{arch.name}: not modules of diffusers' {arch.diffusers_model[0]}, left out: {', '.join(missing)}",

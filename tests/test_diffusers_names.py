@@ -90,7 +90,7 @@ def test_rules_give_the_converters_weights_at_another_depth_and_width(name):
         path, start, count, total = value
         key = "diffusion_model." + path
         traced[diffusers_name[: -len(WEIGHT)]] = key if (start, count) == (0, total) else (key, (0, start, count))
-    mapped = dict(keymap.converted_module_paths(model))
+    mapped = dict(keymap.converted_module_paths(model, names=arch.names))
     assert mapped, "no rule applied to this model"
     wrong = {name: (target, traced.get(name)) for name, target in mapped.items() if traced.get(name) != target}
     assert wrong == {}
