@@ -1,11 +1,16 @@
 """PEFT, diffusers and LyCORIS-wrapper files on the video DiTs ComfyUI has no diffusers names for: Wan 2.1 (T2V and
-I2V), HunyuanVideo 1.0 and LTX-Video, end to end through nodes/keymap.py's `converted_module_paths`.
+I2V), HunyuanVideo 1.0, LTX-Video, LTX-2 and Cosmos Predict2, end to end through nodes/keymap.py's
+`converted_module_paths`.
 
-Each architecture is ComfyUI's own model (`comfy.supported_models` WAN21_T2V / WAN21_I2V / HunyuanVideo / LTXV) at a
-tiny width on the CPU with random fp32 weights, in a ModelPatcher. Its state dict goes through diffusers' own
-single-file converter (`convert_wan_transformer_to_diffusers`, `convert_hunyuan_video_transformer_to_diffusers`,
-`convert_ltx_transformer_checkpoint_to_diffusers`) and is loaded strictly into diffusers' model of the same config
-(the twin): a strict load proves the twin has exactly these weights under diffusers' names.
+Each architecture is ComfyUI's own model (`comfy.supported_models` WAN21_T2V / WAN21_I2V / HunyuanVideo / LTXV /
+LTXAV / CosmosT2IPredict2) at a tiny width on the CPU with random fp32 weights, in a ModelPatcher. Its state dict goes
+through diffusers' own single-file converter (`convert_wan_transformer_to_diffusers`,
+`convert_hunyuan_video_transformer_to_diffusers`, `convert_ltx_transformer_checkpoint_to_diffusers`,
+`convert_ltx2_transformer_to_diffusers`, `convert_cosmos_transformer_checkpoint_to_diffusers`; the last two are
+renames with no size of their own) and is loaded strictly into diffusers' model of the same config (the twin): a
+strict load proves the twin has exactly these weights under diffusers' names. LTX-2 exists in ComfyUI 0.33 only
+(0.3.75 has no supported_models.LTXAV): its cases are skipped there. Its text connectors are no part of diffusers'
+transformer (the converter drops them; diffusers keeps them in a pipeline component of their own).
 
 HunyuanVideo: ComfyUI renames some of Tencent's names when it loads a checkpoint (`process_unet_state_dict`), and the
 converter reads Tencent's. The Tencent-named state dict starts from ComfyUI's own key-map entries
@@ -19,12 +24,15 @@ blocks' and the token refiner's fused qkv rows are checked here.
 
 Adapters, on the twin, with the targets trainers use (diffusers' training scripts and SimpleTuner: to_q, to_k, to_v,
 to_out.0; Wan I2V's image cross-attention add_k_proj/add_v_proj; HunyuanVideo's add_q_proj/add_k_proj/add_v_proj/
-to_add_out; the feed-forward layers):
+to_add_out; the feed-forward layers; LTX-2's audio feed-forward, its to_q etc. matching the audio and the
+audio-video cross attentions too):
 
 - PEFT LoRA, DoRA, LoHa, LoKr with random weights, saved by the pipeline's `save_lora_weights`
-  (WanPipeline / HunyuanVideoPipeline / LTXPipeline; with and without `transformer_lora_adapter_metadata`) or by
-  PEFT's `save_pretrained` (`base_model.model.` names and adapter_config.json). Truth: PEFT's own `merge()` of each
-  layer in float64.
+  (WanPipeline / HunyuanVideoPipeline / LTXPipeline / LTX2Pipeline / Cosmos2_5_PredictBasePipeline; with and without
+  `transformer_lora_adapter_metadata`) or by PEFT's `save_pretrained` (`base_model.model.` names and
+  adapter_config.json). Cosmos Predict2's own pipelines have no LoRA loader: Predict 2.5's, whose
+  CosmosLoraLoaderMixin loads into the same CosmosTransformer3DModel, writes its file. Truth: PEFT's own `merge()`
+  of each layer in float64.
 - lycoris-lora 4.1.3's `create_lycoris(transformer, ...)` (lora, loha, lokr) over the same modules, saved as
   SimpleTuner's `_save_lycoris` does (`LycorisNetwork.save_weights`, `lycoris_` + diffusers path with dots as
   underscores, `lycoris_config` metadata). Truth: the network's forward (the wrapped layer's output on the identity,
@@ -61,6 +69,7 @@ from test_nodes import run_node, weights_after_full_load
 
 peft = pytest.importorskip("peft")
 diffusers = pytest.importorskip("diffusers")
+from derive_names import derive
 from diffusers.loaders import single_file_utils
 from lycoris import LycorisNetwork, create_lycoris
 from reference.lycoris_factory import SEED, Lazy, _class_presets_restored, _randomise
@@ -135,7 +144,40 @@ ARCHS = {
                       {"in_channels": 16, "out_channels": 16, "num_attention_heads": 4, "attention_head_dim": 8,
                        "cross_attention_dim": 32, "num_layers": 2, "caption_channels": 24},
                       "LTXPipeline", (*ATTENTION, "ff.net.0.proj", "ff.net.2")),
+    # LTX-Video's widths plus the audio stream's and its text connectors' (which ComfyUI's model holds and the
+    # converter drops: at their default width of 3840 they would be most of the model)
+    "ltx2": Arch("LTXAV", {"image_model": "ltxav", "num_layers": 2, "attention_head_dim": 8, "cross_attention_dim": 32,
+                           "num_attention_heads": 4, "in_channels": 16, "caption_channels": 24,
+                           "audio_in_channels": 8, "audio_num_attention_heads": 2, "audio_attention_head_dim": 8,
+                           "audio_cross_attention_dim": 16, "connector_num_attention_heads": 2,
+                           "connector_attention_head_dim": 8, "connector_num_layers": 1},
+                 "convert_ltx2_transformer_to_diffusers", "LTX2VideoTransformer3DModel",
+                 {"in_channels": 16, "out_channels": 16, "num_attention_heads": 4, "attention_head_dim": 8,
+                  "cross_attention_dim": 32, "num_layers": 2, "caption_channels": 24, "audio_in_channels": 8,
+                  "audio_out_channels": 8, "audio_num_attention_heads": 2, "audio_attention_head_dim": 8,
+                  "audio_cross_attention_dim": 16},
+                 "LTX2Pipeline",
+                 (*ATTENTION, "ff.net.0.proj", "ff.net.2", "audio_ff.net.0.proj", "audio_ff.net.2")),
+    # ComfyUI's detection of Predict2 2B (model_detection.py) at a tiny width; no bias anywhere
+    "cosmos-predict2": Arch("CosmosT2IPredict2",
+                            {"image_model": "cosmos_predict2", "max_img_h": 240, "max_img_w": 240, "max_frames": 128,
+                             "in_channels": 16, "out_channels": 16, "patch_spatial": 2, "patch_temporal": 1,
+                             "model_channels": 32, "concat_padding_mask": True, "crossattn_emb_channels": 24,
+                             "pos_emb_cls": "rope3d", "pos_emb_learnable": True, "pos_emb_interpolation": "crop",
+                             "min_fps": 1, "max_fps": 30, "use_adaln_lora": True, "adaln_lora_dim": 8,
+                             "num_blocks": 2, "num_heads": 2, "extra_per_block_abs_pos_emb": False,
+                             "rope_h_extrapolation_ratio": 4.0, "rope_w_extrapolation_ratio": 4.0,
+                             "rope_t_extrapolation_ratio": 1.0},
+                            "convert_cosmos_transformer_checkpoint_to_diffusers", "CosmosTransformer3DModel",
+                            {"in_channels": 16, "out_channels": 16, "num_attention_heads": 2, "attention_head_dim": 16,
+                             "num_layers": 2, "mlp_ratio": 4.0, "text_embed_dim": 24, "adaln_lora_dim": 8,
+                             "max_size": (128, 240, 240), "patch_size": (1, 2, 2), "rope_scale": (1.0, 4.0, 4.0),
+                             "concat_padding_mask": True, "extra_pos_embed_type": None},
+                            "Cosmos2_5_PredictBasePipeline", (*ATTENTION, "ff.net.0.proj", "ff.net.2")),
 }
+# the architectures this ComfyUI has (0.3.75 has no LTX-2; `available` reads the supported_models class only); the
+# others' cases are skipped, saying why
+HERE = [arch_id for arch_id, arch in ARCHS.items() if derive.available(arch)]
 
 # Tencent name -> ComfyUI's, as HunyuanVideo's process_unet_state_dict renames on load (0.3.75 keeps the q/k norms
 # as `.scale`, 0.33 as `.weight`); read backwards for the names ComfyUI's key map has no Tencent entry for. Every
@@ -238,7 +280,7 @@ def archs():
 def test_the_twins_hold_the_same_weights(archs):
     """A strict load took every converted weight (build); the twin's names are also every weight the converter
     wrote, and the fused ComfyUI weights are split (HunyuanVideo's qkv rows) or renamed (the others)."""
-    for arch_id in ARCHS:
+    for arch_id in HERE:
         models = archs[arch_id]
         assert set(models.twin.state_dict()) == set(models.base)
     hunyuan = archs["hunyuan-video"].base
@@ -380,8 +422,15 @@ def check_file(models: Models, folder, written: dict[str, bytes], merged: dict, 
     comfy.model_management.unload_all_models()
 
 
+def _param(arch_id, *case):
+    """One case on one architecture, skipped where this ComfyUI lacks the model (as tests/test_diffusers_names.py)."""
+    supported = ARCHS[arch_id].supported
+    skip = [] if arch_id in HERE else [pytest.mark.skip(reason=f"this ComfyUI has no supported_models.{supported}")]
+    return pytest.param(arch_id, *case, id="-".join((arch_id, *case)), marks=skip)
+
+
 def _cases(sources):
-    return [pytest.param(arch_id, *case, id=f"{arch_id}-{'-'.join(case)}") for arch_id in ARCHS for case in sources]
+    return [_param(arch_id, *case) for arch_id in ARCHS for case in sources]
 
 
 @pytest.mark.parametrize("arch_id,kind,save_format", _cases(PEFT_CASES))
@@ -395,7 +444,7 @@ def test_peft_file_applies_fully_and_equal_to_peft_merge(arch_id, kind, save_for
     check_file(models, loras, written, merged, warnings=int((kind, save_format) in WITHOUT_ALPHA))
 
 
-@pytest.mark.parametrize("arch_id,algo", [pytest.param(a, algo, id=f"{a}-{algo}") for a in ARCHS for algo in LYCORIS])
+@pytest.mark.parametrize("arch_id,algo", _cases([(algo,) for algo in LYCORIS]))
 def test_lycoris_wrapper_file_applies_fully_and_equal_to_its_forward(arch_id, algo, archs, files, loras):
     models = archs[arch_id]
     written, merged = files[arch_id, "lycoris", algo, "save_weights"]
@@ -423,7 +472,7 @@ def every_layer(models: Models, arch_id: str) -> list[str]:
             and name not in UNMAPPED_ON_PURPOSE.get(arch_id, ())]
 
 
-@pytest.mark.parametrize("arch_id", ARCHS)
+@pytest.mark.parametrize("arch_id", _cases([()]))
 def test_lora_on_every_layer_applies_fully(arch_id, archs, loras, tmp_path):
     """A LoRA on every Linear and Conv3d of the diffusers model (PEFT's save_pretrained): embedders, modulation,
     the patch embedding and the output projection as well as the blocks."""
