@@ -8,6 +8,7 @@ from ..lycoris_core.summary import summarize
 from . import cache
 from .apply import map_file
 from .loaders import CATEGORY, fingerprint_by_file, lycoris_input, lycoris_path
+from .lora_files import validate_name
 from .report import block_changes, patchers_of, payload
 
 # What a person reads first, in this order; the long lists come last, one entry per line.
@@ -73,6 +74,7 @@ class LycorisInfo(io.ComfyNode):
         )
 
     fingerprint_inputs = classmethod(fingerprint_by_file)
+    validate_inputs = classmethod(validate_name)
 
     @classmethod
     def execute(cls, lycoris_name, model=None, clip=None, strength=1.0):

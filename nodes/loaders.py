@@ -6,9 +6,11 @@ import folder_paths
 import torch
 from comfy_api.latest import io
 
+from . import lora_files
 from .apply import apply_file, is_off, map_file
 from .bypass import MODES
 from .cache import file_identity, load_cached
+from .lora_files import validate_name
 from .report import LOADER_MEASURE_BUDGET, block_changes, is_dynamic, patchers_of, payload, touched_elements
 
 CATEGORY = "loaders/lycoris"
@@ -77,13 +79,16 @@ def node_key(node: type[io.ComfyNode]) -> str | None:
 
 
 def lycoris_path(lycoris_name: str) -> str:
-    return folder_paths.get_full_path_or_raise("loras", lycoris_name)
+    found = lora_files.full_path(lycoris_name)
+    if found is None:  # ComfyUI's own error for a missing file
+        return folder_paths.get_full_path_or_raise(lora_files.FOLDER, lycoris_name)
+    return found
 
 
 def file_stamp(lycoris_name) -> str:
     """The file's identity (cache.file_identity) as text: it changes when the file, or the adapter_config.json beside
     it, is rewritten."""
-    path = folder_paths.get_full_path("loras", lycoris_name) if isinstance(lycoris_name, str) else None
+    path = lora_files.full_path(lycoris_name) if isinstance(lycoris_name, str) else None
     return "missing" if path is None else repr(file_identity(path))
 
 
@@ -183,6 +188,7 @@ class LycorisLoader(io.ComfyNode):
         )
 
     fingerprint_inputs = classmethod(fingerprint_by_file)
+    validate_inputs = classmethod(validate_name)
 
     @classmethod
     def execute(cls, model, clip, lycoris_name, strength_model, strength_clip, strength_mode="linear",
@@ -215,6 +221,7 @@ class LycorisLoaderModelOnly(io.ComfyNode):
         )
 
     fingerprint_inputs = classmethod(fingerprint_by_file)
+    validate_inputs = classmethod(validate_name)
 
     @classmethod
     def execute(cls, model, lycoris_name, strength_model, strength_mode="linear", apply_mode=DEFAULT_APPLY_MODE):

@@ -33,7 +33,7 @@ from aiohttp import web
 from ..lycoris_core import LycorisError
 from ..lycoris_core.safetensors_file import PICKLE_SUFFIXES
 from ..lycoris_core.summary import summarize
-from . import cache
+from . import cache, lora_files
 
 WORKERS = 2  # reads are pure Python (GIL-bound): more threads would not read faster, only hold more memory
 QUEUED = 8  # requests waiting for a worker; more are answered 503
@@ -118,11 +118,12 @@ def _summary(path: str) -> Answer:
 
 def _answer(name: str, with_cache: bool) -> Answer:
     """The whole answer, in a worker thread."""
-    if name not in folder_paths.get_filename_list("loras"):
+    listed = lora_files.listed_name(name)
+    if listed is None:
         return _error(404, f"'{name}' is not a file in the loras folders")
-    if name.lower().endswith(PICKLE_SUFFIXES):
+    if listed.lower().endswith(PICKLE_SUFFIXES):
         return _error(400, f"'{name}' is a pickle file; only .safetensors files are read")
-    status, body = _summary(folder_paths.get_full_path("loras", name))
+    status, body = _summary(folder_paths.get_full_path("loras", listed))
     if status == 200 and with_cache:
         body = {**body, "cache": cache.stats().to_json()}  # a new dict: the kept answer stays the plain summary
     return status, body

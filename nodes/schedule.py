@@ -13,6 +13,7 @@ from ..lycoris_core.block_weights import BlockWeights, parse
 from .apply import by_block_weight, log, patcher_patches
 from .cache import load_cached
 from .loaders import CATEGORY, fingerprint_by_file, lycoris_input, lycoris_path, strength_input
+from .lora_files import validate_name
 from .weighting import BLOCK_WEIGHTS_TOOLTIP
 
 Hooks = io.Custom("HOOKS")
@@ -75,6 +76,7 @@ class LycorisHook(io.ComfyNode):
         )
 
     fingerprint_inputs = classmethod(fingerprint_by_file)
+    validate_inputs = classmethod(validate_name)
 
     @classmethod
     def execute(cls, lycoris_name, strength_model, strength_clip, block_weights="default=1", prev_hooks=None):

@@ -25,6 +25,7 @@ from ..lycoris_core.tools.metadata import ModuleRecord, tool_metadata
 from .apply import Applied, lora_key_map, map_file, model_family
 from .cache import load_cached
 from .loaders import lycoris_input, lycoris_path
+from .lora_files import validate_name
 from .tools_common import (
     CATEGORY,
     Progress,
@@ -447,6 +448,8 @@ class LycorisConvert(io.ComfyNode):
             ],
             outputs=report_outputs(),
         )
+
+    validate_inputs = classmethod(validate_name)
 
     @classmethod
     def execute(cls, lycoris_name, target, model, clip=None, on_unconvertible=REPORT, dtype="keep",

@@ -18,6 +18,7 @@ from ..lycoris_core.tools.metadata import tool_metadata
 from .apply import map_file, model_family
 from .cache import load_cached
 from .loaders import fingerprint_by_file, lycoris_input, lycoris_path
+from .lora_files import validate_name
 from .report import _weight_fp32
 from .tools_common import (
     CATEGORY,
@@ -153,6 +154,7 @@ class LycorisResize(io.ComfyNode):
         )
 
     fingerprint_inputs = classmethod(fingerprint_by_file)
+    validate_inputs = classmethod(validate_name)
 
     @classmethod
     def execute(cls, lycoris_name, output_name, rule, rank, value, dtype, tucker=True, model=None, clip=None,

@@ -20,6 +20,7 @@ from .loaders import (
     node_key,
     strength_input,
 )
+from .lora_files import validate_name
 from .presets import CUSTOM, block_weight_text, preset_names
 from .report import block_changes, patchers_of, payload
 
@@ -70,6 +71,7 @@ class LycorisBlockWeights(io.ComfyNode):
         )
 
     fingerprint_inputs = classmethod(fingerprint_by_file)
+    validate_inputs = classmethod(validate_name)
 
     @classmethod
     def execute(cls, model, clip, lycoris_name, strength_model, strength_clip, block_weights, preset=CUSTOM,
@@ -105,6 +107,7 @@ class LycorisBlockInfo(io.ComfyNode):
         )
 
     fingerprint_inputs = classmethod(fingerprint_by_file)
+    validate_inputs = classmethod(validate_name)
 
     @classmethod
     def execute(cls, lycoris_name, model, clip=None, strength=1.0, block_weights="default=1"):

@@ -18,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 import make_demo_lycoris
-from comfy_server import ComfyServer, prepare_base_dir
+from comfy_server import ComfyError, ComfyServer, prepare_base_dir
 from example_models import DEMO_FILES, SD15_CHECKPOINT, YOUR_LYCORIS, YOUR_SECOND_LYCORIS, write_demo_workflows
 
 pytestmark = pytest.mark.e2e
@@ -132,6 +132,26 @@ def test_model_only_loader_and_lycoris_mode_run(server, prompt):
         if node["inputs"].get("clip") == [lid, 1]:
             node["inputs"]["clip"] = list(inputs["clip"])
     assert run(server, model_only)[1].shape == (64, 64, 3)
+
+
+def test_a_name_saved_on_windows_loads(server, prompt, model_files):
+    """A workflow saved on Windows names a file in a subfolder `sub\\file.safetensors`: ComfyUI's own check of the
+    name would refuse it here (it lists `sub/file.safetensors`); the loader takes it and applies that file."""
+    subfolder = server.base_dir / "models" / "loras" / "windows-saved"
+    subfolder.mkdir(exist_ok=True)
+    source = model_files["loras"][0]
+    (subfolder / source.name).unlink(missing_ok=True)
+    (subfolder / source.name).symlink_to(source)
+    _, posix = run(server, with_inputs(prompt, lycoris_name=f"windows-saved/{source.name}"))
+    _, windows = run(server, with_inputs(prompt, lycoris_name=f"windows-saved\\{source.name}"))
+    _, unchanged = run(server, with_inputs(prompt, strength_model=0.0, strength_clip=0.0))
+    assert np.array_equal(windows, posix) and not np.array_equal(windows, unchanged)
+    answer = server.get_json(f"lycoris/info?name=windows-saved%5C{source.name}")
+    assert answer["name"] == source.name and answer["module_count"] > 0, answer
+
+    missing = with_inputs(prompt, lycoris_name="windows-saved\\no_such_file.safetensors")
+    with pytest.raises(ComfyError, match="no_such_file.safetensors' is not a file in the loras folders"):
+        server.queue(missing)
 
 
 def test_server_log_has_no_unloaded_keys(server, images):
