@@ -20,8 +20,10 @@ read outside the lock: a slow read never blocks a route that only asks for `stat
 """
 
 import functools
+import hashlib
 import logging
 import os
+import stat
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
@@ -208,19 +210,37 @@ def stats() -> CacheStats:
         return _stats_locked()
 
 
+# Bytes read from each end of a file for its identity: a retrained LoRA differs there (header, last tensor).
+_SAMPLE_BYTES = 64 * 1024
+
+
+def _ends_digest(path: str, size: int) -> str:
+    """A digest of the file's first and last `_SAMPLE_BYTES`. Timestamps are coarse (FAT keeps mtimes to 2 s, and
+    Linux stamps files from a clock that ticks every few ms), so a rewrite of the same size soon after the last one
+    can keep size and mtime; its bytes still differ. From the page cache this costs some tens of microseconds."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        digest.update(f.read(_SAMPLE_BYTES))
+        if size > _SAMPLE_BYTES:
+            f.seek(max(_SAMPLE_BYTES, size - _SAMPLE_BYTES))
+            digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
 def file_identity(path: str | os.PathLike) -> tuple | None:
     """What says a file is unchanged: (resolved path, size, mtime_ns, inode, mtime_ns of the adapter_config.json
-    beside it or None; that config sets a PEFT file's scale, and read_config looks beside the path as given). None
-    when the file cannot be stat'ed: reading it then says why, naming it. The cache, the nodes' fingerprints and the
-    info route all use this one identity."""
+    beside it or None, a digest of the file's two ends; that config sets a PEFT file's scale, and read_config looks
+    beside the path as given). None when the file cannot be stat'ed or read: reading it then says why, naming it.
+    The cache, the nodes' fingerprints and the info route all use this one identity."""
     try:
         resolved = os.path.realpath(path)
         st = os.stat(resolved)
         sibling = os.path.join(os.path.dirname(os.fspath(path)), CONFIG_FILE)
         config = os.stat(sibling).st_mtime_ns if os.path.isfile(sibling) else None
+        ends = _ends_digest(resolved, st.st_size) if stat.S_ISREG(st.st_mode) else None
     except OSError:
         return None
-    return resolved, st.st_size, st.st_mtime_ns, st.st_ino, config
+    return resolved, st.st_size, st.st_mtime_ns, st.st_ino, config, ends
 
 
 def load_cached(path: str | os.PathLike) -> LycorisFile:

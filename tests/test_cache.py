@@ -120,6 +120,25 @@ def test_an_edited_file_is_read_again(tmp_path, reads):
     assert cache.load_cached(path) is cache.load_cached(path) and len(reads) == 3
 
 
+def test_a_rewrite_that_keeps_size_mtime_and_inode_is_read_again(tmp_path, reads):
+    """FAT keeps mtimes to 2 s and Linux stamps files from a coarse clock: a trainer saving the same file twice in
+    that time, in place, leaves size, mtime and inode as they were. Its bytes differ, and the file is read again."""
+    path = lora_file(tmp_path, "a.safetensors", seed=1)
+    old = cache.load_cached(path)
+    before = path.stat()
+    fresh = tmp_path / "fresh.safetensors"
+    lora_file(tmp_path, fresh.name, seed=2)
+    with open(path, "r+b") as f:  # in place, as `cp` does: the inode stays
+        f.write(fresh.read_bytes())
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
+    new = cache.load_cached(path)
+    assert reads == ["a.safetensors", "a.safetensors"]
+    assert torch.equal(up_weight(new), up_weight(cache.load_cached(fresh)))
+    assert not torch.equal(up_weight(new), up_weight(old))
+
+
 # --- bounded by bytes --------------------------------------------------------------------------------------------------
 
 def test_the_byte_budget_evicts_the_least_recently_used(tmp_path, reads, monkeypatch):
