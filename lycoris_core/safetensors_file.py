@@ -7,23 +7,30 @@ and rewritten in place (`cp new.safetensors old.safetensors`) kills the process 
 page past the new end, and one that keeps its size silently serves the new bytes, unchecked. So the user's file is
 only ever read with ordinary reads, which end short instead:
 - by default each `tensor()` is a private copy read on demand (the summary reads a few scalars this way);
-- with `snapshot=True` (the loader) the whole file is first copied, in the kernel where it can (copy_file_range; a
-  reflink on btrfs/xfs), into an unnamed temporary file of our own. The header and values checked are the copy's,
-  and tensors are views of a map of the copy: nobody else can write it, so every later patch reads exactly the
-  bytes that were validated, and a large file costs reclaimable page cache and temporary disk space, not process
-  memory.
-Pickle formats are refused: loading them runs arbitrary code. Errors never quote the file's bytes (a symlink may
-point anywhere): they say what is wrong and where.
+- with `snapshot=True` (the loader) the whole file is first copied into a temporary file of our own (in the kernel
+  where it can: copy_file_range, a reflink on btrfs/xfs; elsewhere in user space). The header and values checked
+  are the copy's, and tensors are views of a copy-on-write map of it: nobody else can write it, so every later
+  patch reads exactly the bytes that were validated, and a large file costs reclaimable page cache and temporary
+  disk space, not process memory. The map holds no open file where the OS allows (POSIX: the copy's name is
+  removed as soon as it is mapped, and the copy is gone with the last view of it), so the cache and patched models
+  can hold thousands of files under a 256-descriptor limit; on Windows, which cannot remove a mapped file, the map
+  keeps the delete-on-close copy's handle (its limits are far higher).
+A file that ends too early while it is still being written (recently modified, or moving while we look) is reported
+as such, not as damaged. Pickle formats are refused: loading them runs arbitrary code. Errors never quote the
+file's bytes (a symlink may point anywhere): they say what is wrong and where.
 """
 
+import contextlib
+import ctypes
 import errno
 import json
 import math
 import mmap
 import os
-import shutil
 import stat
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -33,10 +40,23 @@ import torch
 from .errors import LycorisError, encodable
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pt2", ".pth", ".bin", ".pkl")
+SNAPSHOT_PREFIX = "lycoris-snapshot-"  # the copies' names in the temp directory, for the moment they have one
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit
-_COPY_CHUNK = 1 << 30
+_KERNEL_COPY_CHUNK = 1 << 30
+# One buffer, reused (shutil.copyfileobj allocates a new chunk per read); 256 KiB to 8 MiB measured alike here.
+_USER_COPY_CHUNK = 1 << 20
 # copy_file_range is not supported on this pair of files (old kernel, other file systems): copy in user space.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM}
+# A file that ends too early and was modified this recently is taken to be still being written. A writer's mtime
+# moves with every write, so while it writes this is the time since its last chunk: a minute covers a trainer's
+# pauses between tensors (GPU-to-CPU copies, a slow or network disk, a sync tool's chunks) with room to spare, while a
+# download cut off long ago still gets the plain "truncated" message.
+_RECENT_WRITE_SECONDS = 60.0
+# An older incomplete file is looked at again after this long (only on that error path): a writer that is still at it
+# moves its size or mtime in far less.
+_RECHECK_SECONDS = 0.2
+_STILL_WRITING = ("it is probably still being written; run again once it is complete (if nothing is writing it, it "
+                  "is truncated)")
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -53,6 +73,117 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 
+
+# --- what this OS offers ---------------------------------------------------------------------------------------------
+# Probed once at import. Each branch a capability selects is also run on Linux by the tests, which replace PLATFORM
+# with capabilities switched off (tests/test_snapshot_platforms.py).
+
+def _probe_madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise(2) (Python's mmap.madvise needs a Python mmap, which holds a descriptor); None on Windows."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def _probe_map_without_descriptor() -> bool:
+    """Whether a copy-on-write map of a file can outlive its descriptor and its name: torch's from_file closes its
+    descriptor once mapped, and POSIX lets an open, mapped file's name be removed. Windows refuses to remove it.
+    Tried once, in the order the snapshot does it."""
+    if not hasattr(torch.UntypedStorage, "from_file"):
+        return False
+    try:
+        fd, name = tempfile.mkstemp(prefix=SNAPSHOT_PREFIX)
+    except OSError:
+        return False
+    try:
+        os.write(fd, b"\0")
+        return _removable_while_open_and_mapped(name)
+    except (OSError, RuntimeError):  # RuntimeError: torch could not map it
+        return False
+    finally:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+
+
+def _removable_while_open_and_mapped(name: str) -> bool:
+    mapped = torch.UntypedStorage.from_file(name, shared=False, nbytes=1)
+    try:
+        os.unlink(name)
+    except PermissionError:
+        return False
+    finally:
+        del mapped
+    return True
+
+
+@dataclass(frozen=True)
+class Platform:
+    """The capabilities the reader uses, each with its fallback where it is missing."""
+
+    kernel_copy: bool  # os.copy_file_range (Linux)
+    madvise: Callable[[int, int, int], int] | None  # libc madvise (Linux, macOS); release() is a no-op without it
+    nonblocking_open: int  # O_NONBLOCK, so that opening a FIFO does not wait for a writer; 0 where there is none
+    map_without_descriptor: bool  # POSIX: the snapshot holds no open file
+    open_sharing_delete: Callable[[str], int] | None  # Windows: see _windows_opener
+
+    @classmethod
+    def probe(cls) -> "Platform":
+        return cls(kernel_copy=hasattr(os, "copy_file_range"), madvise=_probe_madvise(),
+                   nonblocking_open=getattr(os, "O_NONBLOCK", 0),
+                   map_without_descriptor=_probe_map_without_descriptor(), open_sharing_delete=_windows_opener())
+
+
+# --- Windows: open the user's file so that a trainer can still replace it ---------------------------------------------
+# os.open shares read and write but not delete on Windows, so a trainer saving by renaming a new file over this one
+# (an atomic save) fails with PermissionError [WinError 5] while we copy it. CreateFileW with FILE_SHARE_DELETE lets
+# the rename happen; our handle goes on reading the old file, and the copy check sees no change. CI runs on Linux and
+# cannot execute these lines; they are kept to this one function.
+_GENERIC_READ = 0x80000000
+_FILE_SHARE_READ_WRITE_DELETE = 0x1 | 0x2 | 0x4
+_OPEN_EXISTING = 3
+_FILE_ATTRIBUTE_NORMAL = 0x80
+
+
+def _windows_opener() -> Callable[[str], int] | None:
+    """A function opening a path for reading, sharing read, write and delete, as a file descriptor; None off Windows."""
+    if not hasattr(ctypes, "WinDLL"):
+        return None
+    import msvcrt
+    from ctypes import wintypes
+
+    kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
+    create_file, close_handle = kernel32.CreateFileW, kernel32.CloseHandle
+    create_file.argtypes = (wintypes.LPCWSTR, wintypes.DWORD, wintypes.DWORD, wintypes.LPVOID, wintypes.DWORD,
+                            wintypes.DWORD, wintypes.HANDLE)
+    create_file.restype = wintypes.HANDLE
+    close_handle.argtypes = (wintypes.HANDLE,)
+    invalid_handle = wintypes.HANDLE(-1).value
+
+    def open_sharing_delete(path: str) -> int:
+        handle = create_file(path, _GENERIC_READ, _FILE_SHARE_READ_WRITE_DELETE, None, _OPEN_EXISTING,
+                             _FILE_ATTRIBUTE_NORMAL, None)
+        if handle is None or handle == invalid_handle:
+            raise ctypes.WinError(ctypes.get_last_error())
+        try:
+            return msvcrt.open_osfhandle(handle, os.O_RDONLY | os.O_BINARY)
+        except OSError:
+            close_handle(handle)
+            raise
+
+    return open_sharing_delete
+
+
+PLATFORM = Platform.probe()
+
+
+# --- the reader --------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class TensorEntry:
@@ -82,15 +213,15 @@ class SafetensorsFile:
                 "only .safetensors files are read. Convert the file to .safetensors first.",
                 file=self.name,
             )
-        self._map: mmap.mmap | None = None
-        self._file: BinaryIO | None = self._open()
+        self._buffer = None  # the snapshot's bytes: a copy-on-write map (a buffer torch.frombuffer can view)
+        self._file, self._source_stat = self._open()
         try:
             if snapshot:
-                self._file = self._snapshot(temp_dir)
+                self._file = self._snapshot(os.fspath(temp_dir) if temp_dir else tempfile.gettempdir())
             self.size = os.fstat(self._file.fileno()).st_size
             self.entries, self.metadata, self._data_start = self._read_header()
             if snapshot:
-                self._map_snapshot()
+                self.close()  # the map keeps the copy
         except BaseException:
             self.close()
             raise
@@ -110,46 +241,85 @@ class SafetensorsFile:
     def _error(self, reason: str, key: str | None = None) -> LycorisError:
         return LycorisError(reason, file=self.name, key=key)
 
-    def _open(self) -> BinaryIO:
-        # O_NONBLOCK: opening a FIFO must not wait for a writer (it has no effect on a regular file's reads).
-        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    def _open(self) -> tuple[BinaryIO, os.stat_result]:
         try:
-            fd = os.open(self.path, flags)
+            fd = _open_for_reading(self.path)
         except OSError as e:
             raise self._error(f"cannot open the file ({e.strerror or type(e).__name__})") from e
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
             os.close(fd)
             raise self._error("not a regular file (a FIFO, device or directory); only .safetensors files are read")
-        return os.fdopen(fd, "rb")
+        return os.fdopen(fd, "rb"), opened
 
-    def _snapshot(self, temp_dir: str | os.PathLike | None) -> BinaryIO:
-        """The file copied into an unnamed temporary file of our own; the source is closed."""
-        source = self._file
-        before = os.fstat(source.fileno())
+    # --- the snapshot ---
+
+    def _snapshot(self, temp_dir: str) -> BinaryIO:
+        """The file copied into a temporary file of our own and mapped (self._buffer); the source is closed. Returns
+        the copy, open for reading its header."""
+        if PLATFORM.map_without_descriptor:
+            return self._snapshot_mapped_by_name(temp_dir)
+        return self._snapshot_mapped_by_descriptor(temp_dir)
+
+    def _snapshot_mapped_by_name(self, temp_dir: str) -> BinaryIO:
+        """POSIX: a named copy, mapped by name (no descriptor kept) and unnamed at once."""
+        try:
+            fd, name = tempfile.mkstemp(prefix=SNAPSHOT_PREFIX, suffix=".safetensors", dir=temp_dir)
+        except OSError as e:
+            raise self._cannot("create a private copy in", temp_dir, e) from e
+        copy = os.fdopen(fd, "w+b")
+        try:
+            size = self._copy_from_source(copy, temp_dir)
+            self._buffer = self._map_by_name(name, size) if size else None
+        except BaseException:
+            copy.close()
+            raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):  # the temp directory emptied meanwhile
+                os.unlink(name)
+        return copy
+
+    def _snapshot_mapped_by_descriptor(self, temp_dir: str) -> BinaryIO:
+        """Where a mapped file cannot be unnamed (Windows): a delete-on-close copy (unnamed at once where the OS
+        can), kept by its Python mmap's own handle."""
         try:
             copy = tempfile.TemporaryFile(dir=temp_dir)  # noqa: SIM115 (it outlives this function, as the map's file)
         except OSError as e:
-            raise self._error(f"cannot create a private copy in {temp_dir or tempfile.gettempdir()} "
-                              f"({e.strerror or type(e).__name__})") from e
+            raise self._cannot("create a private copy in", temp_dir, e) from e
+        try:
+            size = self._copy_from_source(copy, temp_dir)
+            self._buffer = mmap.mmap(copy.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        except BaseException:
+            copy.close()
+            raise
+        return copy
+
+    def _copy_from_source(self, copy: BinaryIO, temp_dir: str) -> int:
+        """Copy the whole source into `copy` and close the source; refuse a file that changed meanwhile."""
+        source, before = self._file, self._source_stat
         try:
             copied = _copy_bytes(source, copy)
             after = os.fstat(source.fileno())
         except OSError as e:
-            copy.close()
-            raise self._error(f"cannot copy the file into {temp_dir or tempfile.gettempdir()} "
-                              f"({e.strerror or type(e).__name__})") from e
+            raise self._cannot("copy the file into", temp_dir, e) from e
         finally:
             source.close()
+            self._file = None
         if copied != before.st_size or (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
-            copy.close()
             raise self._error("the file changed while it was being read (is it still being written?); "
                               "run again once it is complete")
-        return copy
+        return copied
 
-    def _map_snapshot(self) -> None:
-        # The map keeps the copy alive (and, unnamed or delete-on-close, it is gone once the map is).
-        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
-        self.close()
+    def _map_by_name(self, name: str, size: int) -> ctypes.Array:
+        try:
+            return _map_without_descriptor(name, size)
+        except RuntimeError as e:  # torch's mapping error (out of address space, a file system without mmap)
+            raise self._error(f"cannot map the private copy ({e})") from e
+
+    def _cannot(self, what: str, temp_dir: str, e: OSError) -> LycorisError:
+        return self._error(f"cannot {what} {temp_dir} ({e.strerror or type(e).__name__})")
+
+    # --- the header ---
 
     def _read_exactly(self, start: int, length: int, key: str | None = None) -> bytearray:
         buffer = bytearray(length)
@@ -165,12 +335,15 @@ class SafetensorsFile:
 
     def _read_header(self) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
         if self.size < 8:
-            raise self._error(f"not a safetensors file: {self.size} bytes, shorter than the 8-byte header length")
+            raise self._incomplete(f"not a safetensors file: {self.size} bytes, shorter than the 8-byte header length")
         header_len = int.from_bytes(self._read_exactly(0, 8), "little")
-        if header_len > _MAX_HEADER_BYTES or 8 + header_len > self.size:
-            # Not the number itself: it is 8 bytes of whatever the file is.
-            raise self._error(f"not a safetensors file, or truncated: its first 8 bytes are not the length of a "
-                              f"header that fits in its {self.size} bytes")
+        # Not the number itself: it is 8 bytes of whatever the file is.
+        no_header = (f"not a safetensors file, or truncated: its first 8 bytes are not the length of a header that "
+                     f"fits in its {self.size} bytes")
+        if header_len > _MAX_HEADER_BYTES:
+            raise self._error(no_header)
+        if 8 + header_len > self.size:
+            raise self._incomplete(no_header)
         raw = self._read_exactly(8, header_len)
         try:
             header = json.loads(raw.decode("utf-8"))
@@ -188,6 +361,27 @@ class SafetensorsFile:
         self._check_layout(entries, data_start)
         return entries, {encodable(str(k)): encodable(_text(v)) for k, v in metadata.items()}, data_start
 
+    def _incomplete(self, damage: str, key: str | None = None) -> LycorisError:
+        """The error for a file that ends too early: `damage`, unless it looks like a file still being written."""
+        age = time.time() - self._source_stat.st_mtime_ns / 1e9
+        if abs(age) < _RECENT_WRITE_SECONDS:  # abs: a network file server's clock may be ahead of ours
+            return self._error(f"the file is incomplete and was modified {max(age, 0):.0f} s ago: {_STILL_WRITING}",
+                               key)
+        time.sleep(_RECHECK_SECONDS)
+        if self._source_moved():
+            return self._error(f"the file is incomplete and changed while it was being read: {_STILL_WRITING}", key)
+        return self._error(damage, key)
+
+    def _source_moved(self) -> bool:
+        """Whether the path no longer names the file as it was read (written to, replaced or removed since)."""
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return True
+        then = self._source_stat
+        return (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != (then.st_dev, then.st_ino, then.st_size,
+                                                                          then.st_mtime_ns)
+
     def _entry(self, key: str, info, data_start: int) -> TensorEntry:
         if not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or info["dtype"] not in DTYPES:
             raise self._error(f"corrupt tensor entry: no dtype among {', '.join(DTYPES)}", key)
@@ -204,7 +398,7 @@ class SafetensorsFile:
             raise self._error(f"corrupt tensor entry: shape {list(shape)} needs {expected} bytes, offsets say "
                               f"{end - begin}", key)
         if entry.end > self.size:
-            raise self._error(
+            raise self._incomplete(
                 f"file is truncated: tensor data ends at byte {entry.end} but the file has {self.size} bytes", key
             )
         return entry
@@ -216,6 +410,8 @@ class SafetensorsFile:
                 raise self._error(f"corrupt file: tensor data overlaps '{previous_key}'", key)
             previous_end, previous_key = max(previous_end, entry.end), key
 
+    # --- tensors ---
+
     def keys(self) -> list[str]:
         return list(self.entries)
 
@@ -225,16 +421,18 @@ class SafetensorsFile:
         entry = self.entries[key]
         if entry.numel == 0:
             return torch.empty(entry.shape, dtype=entry.dtype)
-        if self._map is None:
+        if self._buffer is None:
             if self._file is None:
                 raise self._error("read after close()", key)
             data = self._read_exactly(entry.start, entry.end - entry.start, key)
             return torch.frombuffer(data, dtype=entry.dtype).reshape(entry.shape)
         if entry.start % entry.dtype.itemsize:
             # torch.frombuffer needs aligned storage; misaligned files (rare, old writers) get a copy.
-            data = bytearray(self._map[entry.start:entry.end])
-            return torch.frombuffer(data, dtype=entry.dtype).reshape(entry.shape)
-        flat = torch.frombuffer(self._map, dtype=entry.dtype, count=entry.numel, offset=entry.start)
+            data = torch.frombuffer(self._buffer, dtype=torch.uint8, count=entry.end - entry.start,
+                                    offset=entry.start).clone()
+            return data.view(entry.dtype).reshape(entry.shape)
+        # Each tensor its own storage over the map (the cache counts storages), each keeping the whole map alive.
+        flat = torch.frombuffer(self._buffer, dtype=entry.dtype, count=entry.numel, offset=entry.start)
         return flat.reshape(entry.shape)
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -242,30 +440,61 @@ class SafetensorsFile:
 
     def mapped_range(self) -> tuple[int, int] | None:
         """(first, end) addresses of the snapshot's map, to tell its views from private tensors; None unmapped."""
-        if self._map is None or not len(self._map):
+        if self._buffer is None:
             return None
-        first = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr()
-        return first, first + len(self._map)
+        first = torch.frombuffer(self._buffer, dtype=torch.uint8, count=1).data_ptr()
+        return first, first + len(self._buffer)
 
     def release_all(self) -> None:
         """`release` for the whole map: reading a scalar (alpha) faults in the pages around it too (the kernel's
         fault-around), which for a file of many modules adds up to a good part of it."""
-        if self._map is not None and hasattr(self._map, "madvise") and len(self._map):
-            self._map.madvise(mmap.MADV_DONTNEED)
+        span = self.mapped_range()
+        if span is not None:
+            _drop_pages(*span)
 
     def release(self, tensor: torch.Tensor) -> None:
         """Let the OS take back the pages of a tensor of the snapshot's map once it has been read (checked at load):
         they leave this process's resident memory but stay in the page cache, and the next read faults them back in
         from the copy, which nobody else can write."""
         span = self.mapped_range()
-        if span is None or not hasattr(self._map, "madvise") or tensor.numel() == 0:
+        if span is None or tensor.numel() == 0:
             return
-        start = tensor.data_ptr() - span[0]
+        start = tensor.data_ptr()
         end = start + tensor.numel() * tensor.element_size()
-        if start < 0 or end > len(self._map):
+        if start < span[0] or end > span[1]:
             return  # not a view of this map (a misaligned tensor's copy, or a tensor a converter replaced)
-        first_page = start - start % mmap.PAGESIZE
-        self._map.madvise(mmap.MADV_DONTNEED, first_page, end - first_page)
+        _drop_pages(start, end)
+
+
+def _open_for_reading(path: Path) -> int:
+    if PLATFORM.open_sharing_delete is not None:
+        return PLATFORM.open_sharing_delete(os.fspath(path))
+    return os.open(path, os.O_RDONLY | PLATFORM.nonblocking_open | getattr(os, "O_BINARY", 0))
+
+
+def _map_without_descriptor(name: str, size: int) -> ctypes.Array:
+    """A copy-on-write map of the file `name` holding no descriptor, as a buffer that keeps the map alive.
+
+    A ctypes array is the buffer: torch.frombuffer keeps the object it views, and the array keeps the storage. Its
+    type is made here rather than as `c_ubyte * size`, which ctypes caches for the life of the process.
+    """
+    storage = torch.UntypedStorage.from_file(name, shared=False, nbytes=size)
+    snapshot_bytes = type("SnapshotBytes", (ctypes.Array,), {"_type_": ctypes.c_ubyte, "_length_": size})
+    buffer = snapshot_bytes.from_address(storage.data_ptr())
+    buffer.storage = storage
+    return buffer
+
+
+def _drop_pages(start: int, end: int) -> None:
+    """madvise(MADV_DONTNEED) over [start, end) of a snapshot's map, from the page holding `start`: the pages leave
+    the process (a later read faults them back in from the copy). A no-op where there is no madvise."""
+    madvise = PLATFORM.madvise
+    if madvise is None:
+        return
+    first = start - start % mmap.PAGESIZE
+    if madvise(first, end - first, mmap.MADV_DONTNEED) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"madvise: {os.strerror(code)}")
 
 
 def _integer(value) -> int:
@@ -285,18 +514,39 @@ def _text(value) -> str:
         return ""
 
 
+# --- copying ---------------------------------------------------------------------------------------------------------
+
 def _copy_bytes(source: BinaryIO, target: BinaryIO) -> int:
     """Copy `source` to its end into `target`; the number of bytes copied."""
-    if hasattr(os, "copy_file_range"):
-        copied = 0
-        try:
-            while n := os.copy_file_range(source.fileno(), target.fileno(), _COPY_CHUNK):
-                copied += n
+    if PLATFORM.kernel_copy:
+        copied = _copy_in_kernel(source.fileno(), target.fileno())
+        if copied is not None:
             return copied
-        except OSError as e:
-            if e.errno not in _NO_KERNEL_COPY or copied:
-                raise
+    return _copy_in_user_space(source, target)
+
+
+def _copy_in_kernel(source_fd: int, target_fd: int) -> int | None:
+    """copy_file_range to the end (a reflink where the file system shares blocks); None when the kernel cannot copy
+    between these two files and nothing was copied yet."""
+    copied = 0
+    try:
+        while n := os.copy_file_range(source_fd, target_fd, _KERNEL_COPY_CHUNK):
+            copied += n
+    except OSError as e:
+        if e.errno not in _NO_KERNEL_COPY or copied:
+            raise
+        return None
+    return copied
+
+
+def _copy_in_user_space(source: BinaryIO, target: BinaryIO) -> int:
+    """macOS and Windows (and Linux where the kernel cannot): reads into one reused buffer, written straight on."""
     source.seek(0)
-    shutil.copyfileobj(source, target, 16 * 1024 * 1024)
+    target.seek(0)
+    buffer = memoryview(bytearray(_USER_COPY_CHUNK))
+    copied = 0
+    while n := source.readinto(buffer):
+        target.write(buffer[:n])
+        copied += n
     target.flush()
-    return target.tell()
+    return copied

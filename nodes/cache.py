@@ -148,8 +148,9 @@ def memory_split(file: LycorisFile, mapped_range: tuple[int, int] | None) -> tup
 
 def snapshot_dir() -> str:
     """Where a file's private copy goes: ComfyUI's temp directory (its --temp-directory), on ComfyUI's own disk
-    rather than a /tmp that may be RAM. The copies are unnamed (or deleted on close) and ComfyUI empties the
-    folder at every start anyway."""
+    rather than a /tmp that may be RAM. A copy has a name (`lycoris-snapshot-*`) only while it is being copied
+    (delete-on-close on Windows); a process killed in that moment leaves it, and ComfyUI empties the folder at every
+    start."""
     directory = folder_paths.get_temp_directory()
     os.makedirs(directory, exist_ok=True)
     return directory

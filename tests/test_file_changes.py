@@ -10,6 +10,7 @@ snapshot (lycoris_core/safetensors_file.py), so:
 """
 
 import os
+import time
 from pathlib import Path
 
 import comfy.model_management
@@ -103,6 +104,11 @@ def test_the_next_load_reads_the_rewritten_file_and_checks_it(loras, tmp_path):
     with pytest.raises(LycorisError, match=r"next\.safetensors: .*lora_up\.weight: 1 of 1280 values are NaN"):
         cache.load_cached(path)
     rewrite_in_place(path, b"\x10\x00")
+    with pytest.raises(LycorisError, match=r"next\.safetensors: the file is incomplete and was modified \d+ s ago: "
+                                           r"it is probably still being written"):
+        cache.load_cached(path)
+    an_hour_ago = time.time() - 3600
+    os.utime(path, (an_hour_ago, an_hour_ago))  # nothing has written it for long: damaged, not being written
     with pytest.raises(LycorisError, match=r"next\.safetensors: not a safetensors file: 2 bytes"):
         cache.load_cached(path)
     os.unlink(path)
