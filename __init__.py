@@ -5,8 +5,13 @@ import sys
 from comfy_api.latest import ComfyExtension, io
 
 from .nodes import info, loaders, routes, schedule, stack, tool_convert, tool_extract, tool_resize, tool_save, weighting
+from .nodes.tools_common import sweep_leftovers
 
 WEB_DIRECTORY = "./web"
+
+# What tool writes killed mid-way (kill -9, a crash, a power cut) left in the loras folders goes at start-up; files
+# that cannot be removed are logged, never raised into ComfyUI's start-up.
+sweep_leftovers()
 
 # ComfyUI's server is running before custom nodes load. Imported as a library (tests, scripts) there is none, and
 # importing server.py just to find that out would pull in the whole frontend stack.

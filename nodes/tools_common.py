@@ -1,6 +1,7 @@
 """What the four tool nodes (Save, Resize, Extract, Convert) share: where they may write, their common inputs, the
 progress bar, the device the maths runs on, and the report they return."""
 
+import functools
 import os
 import re
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from pathlib import Path
 import comfy.model_management
 import comfy.utils
 import folder_paths
+import psutil
 import torch
 from comfy_api.latest import io
 
@@ -72,6 +74,46 @@ def output_path(name: str) -> Path:
     return path
 
 
+# How far two readings of one process's start time may differ: psutil derives it from the boot time, which moves
+# with the system clock on Linux; a reused pid belongs to a process started long after the first one.
+START_TOLERANCE = 1.0  # seconds
+
+
+@functools.cache
+def process_started() -> float:
+    """This process's start time (psutil), recorded by each tool write as its owner's. Read once, so this process's
+    own records always match it exactly, whatever the clock does later."""
+    return psutil.Process(os.getpid()).create_time()
+
+
+def owner_alive(pid: int, started: float | None) -> bool:
+    """writer.sweep's `owner_alive`: False only when the process is provably not running on this machine: no such
+    pid (or a zombie), or a process of that pid started at another time than `started` (the pid was reused). True
+    when it runs, or nothing can tell (no start time recorded, access denied). Never os.kill(pid, 0): on Windows that
+    terminates the process."""
+    if pid == os.getpid():
+        return started is None or abs(process_started() - started) <= START_TOLERANCE
+    try:
+        process = psutil.Process(pid)
+        if started is not None and abs(process.create_time() - started) > START_TOLERANCE:
+            return False
+        return process.status() != psutil.STATUS_ZOMBIE  # exited, not yet reaped by its parent: it runs no code
+    except psutil.NoSuchProcess:  # includes psutil.ZombieProcess
+        return False
+    except (psutil.Error, OSError, ValueError, OverflowError):  # AccessDenied, a pid out of the OS's range, ...
+        return True
+
+
+def sweep_leftovers() -> None:
+    """Remove what killed tool writes left in the loras folders (writer.sweep: only the writer's own workspace
+    folders and lock files, and earlier versions' temporary files): at once those whose process ended on this
+    machine (`owner_alive`), the others (another machine's, an earlier version's, a running process's) once an hour
+    old. Called when the pack loads and before each write; never raises OSError, so it cannot break ComfyUI's
+    start-up (a file that cannot be removed is logged as a warning)."""
+    for folder in folder_paths.get_folder_paths("loras"):
+        writer.sweep(folder, owner_alive=owner_alive)
+
+
 def relative_name(path: Path) -> str:
     """The name the loader nodes list for a file written in a loras folder."""
     for root in loras_folders():
@@ -82,8 +124,11 @@ def relative_name(path: Path) -> str:
 
 def write_file(name: str, tensors: dict[str, torch.Tensor], metadata: dict, overwrite: bool) -> str:
     """Write the output into the loras folder, whole or not at all (writer.write); returns its name as listed there.
-    The loaders' list of files is refreshed, so the new file is offered without a restart."""
-    path = writer.write(output_path(name), tensors, metadata, overwrite)
+    Leftovers of killed writes are swept first; the write records this process as its owner. The loaders' list of
+    files is refreshed, so the new file is offered without a restart."""
+    path = output_path(name)
+    sweep_leftovers()
+    path = writer.write(path, tensors, metadata, overwrite, started=process_started())
     folder_paths.filename_list_cache.pop("loras", None)
     return relative_name(path)
 

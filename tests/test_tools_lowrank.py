@@ -1,5 +1,5 @@
 """The tools' shared core: rank rules against the tools that define them, the spectrum of factored and dense changes,
-the error it reports, and the writer's whole-or-nothing, never-overwrite promise.
+and the error it reports (the writer's tests are in test_tools_writer.py).
 
 Truth: lycoris-lora 4.1.3's own `lycoris.utils.extract_linear` (its rank for each mode), kohya sd-scripts'
 resize_lora rules as written there (networks/resize_lora.py: `index_sv_*` clamp to [1, len(S) − 1], `rank_resize`
@@ -7,15 +7,11 @@ adds 1 and caps at --new_rank; a largest σ ≤ 1e-6 gives rank 1), torch.linalg
 residual measured on the reconstructed matrix.
 """
 
-import json
-
 import pytest
 import torch
 from lycoris.utils import extract_linear
-from lycoris_nodes.lycoris_core import LycorisError
-from lycoris_nodes.lycoris_core.tools import lowrank, writer
+from lycoris_nodes.lycoris_core.tools import lowrank
 from lycoris_nodes.lycoris_core.tools.lowrank import Factors, RankRule, choose_rank, spectrum
-from safetensors import safe_open
 
 
 def decaying(out: int, inner: int, seed: int = 0, decay: float = 0.8) -> torch.Tensor:
@@ -118,77 +114,3 @@ def test_conv_lora_tensors_have_locon_shapes():
 def test_bad_rules_are_refused(mode, value):
     with pytest.raises(ValueError):
         RankRule(mode, value)
-
-
-# --- writer ---------------------------------------------------------------------------------------------------------
-
-def test_writer_never_overwrites_unless_asked(tmp_path):
-    path = tmp_path / "x.safetensors"
-    writer.write(path, {"a": torch.ones(2)}, {"k": "first"})
-    with pytest.raises(LycorisError, match="exists"):
-        writer.write(path, {"a": torch.zeros(2)}, {"k": "second"})
-    with safe_open(path, "pt") as f:
-        assert f.metadata()["k"] == "first"
-    writer.write(path, {"a": torch.zeros(2)}, {"k": {"second": 2}}, overwrite=True)
-    with safe_open(path, "pt") as f:
-        assert json.loads(f.metadata()["k"]) == {"second": 2}
-        assert f.get_tensor("a").sum() == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
-
-
-def test_a_failed_write_leaves_nothing(tmp_path):
-    """A tensor that cannot be read (a meta tensor: no data) fails the write after the temporary file exists: no
-    file, no temporary file left."""
-    with pytest.raises(NotImplementedError):
-        writer.write(tmp_path / "y.safetensors", {"a": torch.ones(2), "b": torch.ones(2, device="meta")}, {})
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_tensors_sharing_storage_are_written(tmp_path):
-    alpha = torch.tensor(4.0)
-    base = torch.arange(6.0)
-    writer.write(tmp_path / "z.safetensors", {"a.alpha": alpha, "b.alpha": alpha, "v": base[:3], "w": base[3:]}, {})
-    with safe_open(tmp_path / "z.safetensors", "pt") as f:
-        assert float(f.get_tensor("b.alpha")) == 4.0
-        assert f.get_tensor("w").tolist() == [3.0, 4.0, 5.0]
-
-
-def test_writer_refuses_other_extensions(tmp_path):
-    with pytest.raises(LycorisError, match="safetensors"):
-        writer.write(tmp_path / "x.ckpt", {"a": torch.ones(1)}, {})
-    assert list(tmp_path.iterdir()) == []
-
-
-# --- where the nodes may write ----------------------------------------------------------------------------------------
-
-@pytest.fixture
-def two_loras_folders(tmp_path, monkeypatch):
-    import folder_paths
-
-    first, second = tmp_path / "loras", tmp_path / "more_loras"
-    first.mkdir()
-    second.mkdir()
-    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras", ([str(first), str(second)], {".safetensors"}))
-    folder_paths.filename_list_cache.pop("loras", None)
-    return first
-
-
-@pytest.mark.parametrize("name", ["../outside", "sub/../../outside", "/tmp/absolute", "C:\\\\x", "", "dir/"])
-def test_outputs_outside_the_loras_folder_are_refused(two_loras_folders, name):
-    from lycoris_nodes.nodes.tools_common import write_file
-
-    with pytest.raises(LycorisError):
-        write_file(name, {"a": torch.ones(1)}, {}, overwrite=True)
-    assert list(two_loras_folders.iterdir()) == []
-    assert list(two_loras_folders.parent.glob("outside*")) == []
-
-
-def test_outputs_go_in_the_loras_folder_and_are_listed(two_loras_folders):
-    import folder_paths
-    from lycoris_nodes.nodes.tools_common import write_file
-
-    assert folder_paths.get_filename_list("loras") == []
-    name = write_file("merged/mine", {"a": torch.ones(1)}, {}, overwrite=False)
-    assert name == "merged/mine.safetensors"
-    assert (two_loras_folders / "merged" / "mine.safetensors").is_file()
-    assert folder_paths.get_filename_list("loras") == ["merged/mine.safetensors"]
