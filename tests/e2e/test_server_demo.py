@@ -20,6 +20,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import make_demo_lycoris
 from comfy_server import ComfyError, ComfyServer, prepare_base_dir
 from example_models import DEMO_FILES, SD15_CHECKPOINT, YOUR_LYCORIS, YOUR_SECOND_LYCORIS, write_demo_workflows
+from test_tools_writer import kill_at, workspaces
 
 pytestmark = pytest.mark.e2e
 
@@ -160,8 +161,13 @@ def test_server_log_has_no_unloaded_keys(server, images):
 
 
 def test_demo_once(tmp_path, model_files):
-    """`make demo ONCE=1` in a temp base dir: comfy-cli (or the fallback) starts ComfyUI, the workflow runs."""
+    """`make demo ONCE=1` in a temp base dir: comfy-cli (or the fallback) starts ComfyUI, the workflow runs. A tool
+    write killed before (kill -9 just before its file was moved into place) left a workspace in the loras folder:
+    after the start there is none, and the folder holds only complete files."""
     base = make_base_dir(tmp_path / "base", model_files)
+    loras = base / "models" / "loras"
+    kill_at(loras, "hard", "before_move")
+    assert workspaces(loras) and not (loras / "killed.safetensors").exists()
     cmd = [
         sys.executable,
         str(REPO_ROOT / "scripts" / "demo.py"),
@@ -178,3 +184,5 @@ def test_demo_once(tmp_path, model_files):
     image = Path(image_line.removeprefix("demo: image: "))
     assert image.is_relative_to(base / "output"), image
     assert image.read_bytes().startswith(b"\x89PNG")
+    assert workspaces(loras) == [] and sorted(p.name for p in loras.iterdir()) == sorted(
+        p.name for p in model_files["loras"])
