@@ -1,6 +1,7 @@
 """The loader nodes: LyCORIS Loader and LyCORIS Loader (Model Only)."""
 
 import weakref
+from collections import OrderedDict
 
 import folder_paths
 import torch
@@ -104,7 +105,23 @@ def fingerprint_by_file(cls, lycoris_name=None, **_inputs) -> str:
 # the strength, W'(m) − W = m·(W'(1) − W), so each block's ‖ΔW‖/‖W‖ at strength s is |s| times its value at 1: a
 # strength change rescales the cached chart instead of another patch pass over every touched weight (0.25 s on one
 # SDXL transformer block, six times the re-patching itself; bench/README.md). Numbers only: no tensor is kept.
-_charts: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+# At most CHARTS_PER_MODEL charts per model, least recently used dropped first: a checkpoint stays loaded for the
+# whole session, and every new block-weight text or rewritten file is a new key (issue #23: a sweep of block weights
+# grew the table by one chart per run, for as long as ComfyUI ran).
+CHARTS_PER_MODEL = 64
+_charts: "weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict]" = weakref.WeakKeyDictionary()
+
+
+def _chart(model: torch.nn.Module, key: tuple, measure) -> list[dict]:
+    """The chart kept for (model, key), measured by `measure()` when missing."""
+    charts = _charts.setdefault(model, OrderedDict())
+    if key in charts:
+        charts.move_to_end(key)
+    else:
+        charts[key] = measure()
+        while len(charts) > CHARTS_PER_MODEL:
+            charts.popitem(last=False)
+    return charts[key]
 
 
 def measured_blocks(path: str, report, patchers: dict, strengths: dict[str, float], weights=None) -> list[dict]:
@@ -114,11 +131,9 @@ def measured_blocks(path: str, report, patchers: dict, strengths: dict[str, floa
     identity = file_identity(path)
     blocks = []
     for side, patcher in patchers.items():  # model, then clip: block_changes' model order (no block spans both)
-        charts = _charts.setdefault(patcher.model, {})
-        key = (identity, side, weights)
-        if key not in charts:
-            charts[key] = block_changes(report, {side: patcher}, {side: 1.0}, weights)
-        blocks += [{**block, "change": abs(strengths[side]) * block["change"]} for block in charts[key]]
+        chart = _chart(patcher.model, (identity, side, weights),
+                       lambda side=side, patcher=patcher: block_changes(report, {side: patcher}, {side: 1.0}, weights))
+        blocks += [{**block, "change": abs(strengths[side]) * block["change"]} for block in chart]
     return blocks
 
 
