@@ -259,18 +259,28 @@ async function checks({ page, result, responses }) {
     result.examples = {};
     for (const name of names) {
         const expected = JSON.parse(readFileSync(join(EXAMPLES, `${name}.json`), "utf8")).nodes.map((n) => n.type).sort();
-        await openTemplates(page, category);
-        await page.locator(CARD(name)).first().click({ timeout: 10000 });
-        const view = await waitFor(
-            page,
-            `the ${name} example's nodes in the graph`,
-            (want) => {
-                const types = window.comfyAPI.app.app.graph.nodes.map((n) => n.type).sort();
-                return JSON.stringify(types) === JSON.stringify(want) ? true : { ok: false, types };
-            },
-            expected,
-            20000,
-        );
+        // On a loaded 2-core machine a card's click was once lost (the previous example stayed for 20 s): the card is
+        // opened once more before the graph counts as unexpected.
+        let view;
+        for (let attempt = 1; view === undefined; attempt++) {
+            await openTemplates(page, category);
+            await page.locator(CARD(name)).first().click({ timeout: 10000 });
+            try {
+                view = await waitFor(
+                    page,
+                    `the ${name} example's nodes in the graph`,
+                    (want) => {
+                        const types = window.comfyAPI.app.app.graph.nodes.map((n) => n.type).sort();
+                        return JSON.stringify(types) === JSON.stringify(want) ? true : { ok: false, types };
+                    },
+                    expected,
+                    30000,
+                );
+            } catch (err) {
+                if (attempt >= 2 || !(err instanceof CheckError)) throw err;
+                await closeDialogs(page);
+            }
+        }
         check(view === true, `${name}: unexpected graph`);
         await page.waitForTimeout(700); // the frontend fits the view and lays out the Vue nodes
         const dialogs = await closeDialogs(page);
