@@ -248,7 +248,7 @@ class Sample:
 
 def status_kb(pid: int) -> dict[str, int]:
     fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/status").read_text(encoding="utf-8").splitlines():
         name, _, value = line.partition(":")
         if value.strip().endswith("kB"):
             fields[name] = int(value.split()[0]) * 1024
@@ -257,7 +257,7 @@ def status_kb(pid: int) -> dict[str, int]:
 
 def deleted_mapping_bytes(pid: int) -> int:
     total = 0
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/maps").read_text(encoding="utf-8").splitlines():
         if line.endswith("(deleted)"):
             start, end = (int(x, 16) for x in line.split()[0].split("-"))
             total += end - start
@@ -518,17 +518,18 @@ def write_results(runs: dict[str, SideRun], opts, started: str, path: Path) -> N
     for run in runs.values():
         lines += table_rows(run)
     lines += ["", *verdict(runs)]
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 
 
 def save_samples(runs: dict[str, SideRun], path: Path) -> None:
     """Every sample as JSON, for a closer look than the table."""
-    path.write_text(json.dumps({side: [asdict(s) for s in run.samples] for side, run in runs.items()}, indent=1))
+    samples = {side: [asdict(s) for s in run.samples] for side, run in runs.items()}
+    path.write_text(json.dumps(samples, indent=1), encoding="utf-8")
 
 
 def load_samples(path: Path) -> dict[str, SideRun]:
-    saved = json.loads(path.read_text())
+    saved = json.loads(path.read_text(encoding="utf-8"))
     return {side: SideRun(side, [Sample(**s) for s in samples], samples[-1]["prompts"], samples[-1]["seconds"])
             for side, samples in saved.items()}
 
