@@ -243,7 +243,7 @@ class SafetensorsFile:
 
     def _open(self) -> tuple[BinaryIO, os.stat_result]:
         try:
-            fd = _open_for_reading(self.path)
+            fd = open_for_reading(self.path)
         except OSError as e:
             raise self._error(f"cannot open the file ({e.strerror or type(e).__name__})") from e
         opened = os.fstat(fd)
@@ -466,7 +466,9 @@ class SafetensorsFile:
         _drop_pages(start, end)
 
 
-def _open_for_reading(path: Path) -> int:
+def open_for_reading(path: str | os.PathLike) -> int:
+    """A descriptor reading `path` that lets a trainer replace the file meanwhile (Windows: shares delete) and does
+    not wait on a FIFO."""
     if PLATFORM.open_sharing_delete is not None:
         return PLATFORM.open_sharing_delete(os.fspath(path))
     return os.open(path, os.O_RDONLY | PLATFORM.nonblocking_open | getattr(os, "O_BINARY", 0))

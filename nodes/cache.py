@@ -35,6 +35,7 @@ import psutil
 
 from ..lycoris_core import LycorisFile, SafetensorsFile, parse_state_dict
 from ..lycoris_core.peft_config import CONFIG_FILE, read_config
+from ..lycoris_core.safetensors_file import open_for_reading
 
 log = logging.getLogger("lycoris_nodes")
 
@@ -220,7 +221,7 @@ def _ends_digest(path: str, size: int) -> str:
     Linux stamps files from a clock that ticks every few ms), so a rewrite of the same size soon after the last one
     can keep size and mtime; its bytes still differ. From the page cache this costs some tens of microseconds."""
     digest = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
+    with os.fdopen(open_for_reading(path), "rb") as f:  # a trainer may replace the file meanwhile (Windows)
         digest.update(f.read(_SAMPLE_BYTES))
         if size > _SAMPLE_BYTES:
             f.seek(max(_SAMPLE_BYTES, size - _SAMPLE_BYTES))
