@@ -36,7 +36,7 @@ class Plan:
 
     @property
     def label(self) -> str:
-        label = BY_NAME[self.algorithm].label
+        label = BY_NAME[self.algorithm].label_for(self.layout)
         return f"{label}+DoRA" if self.dora_axis else label
 
 
@@ -60,7 +60,8 @@ class Module:
 
     @property
     def label(self) -> str:
-        return f"{self.algorithm.label}+DoRA" if self.has_dora else self.algorithm.label
+        label = self.algorithm.label_for(self.layout)
+        return f"{label}+DoRA" if self.has_dora else label
 
     def plan_for(self, weight_shape: tuple[int, ...], *, reference: bool = False, file: str | None = None) -> Plan:
         """Check this module against the target weight's shape; LycorisError (naming file and key) if it does not fit."""

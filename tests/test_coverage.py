@@ -115,8 +115,9 @@ def test_full_match_report_and_per_block_change(sd15, weights, loras, caplog):
     p = panel(ui)
     assert (p["applied"], p["total"], p["verdict"], p["problems"], p["unused_keys"]) == (6, 6, "", [], [])
     assert p["params_applied"] == p["params_total"] == params(sd, TARGETS)
-    assert p["algorithms"] == {"LoCon": 6}
-    assert p["line"] == f"{name}: 6/6 modules applied (LoCon 6, 100% of parameters)"
+    # LoRA where the layer has no kernel wider than 1 (Linear, 1×1 conv), LoCon on the 3×3 conv
+    assert p["algorithms"] == {"LoRA": 5, "LoCon": 1}
+    assert p["line"] == f"{name}: 6/6 modules applied (LoRA 5, LoCon 1, 100% of parameters)"
     assert any(r.getMessage() == f"LyCORIS {p['line']}" for r in caplog.records)  # the same line as the log
     # each side at its own strength: model blocks at 1, text-encoder blocks at 0.5
     assert_blocks(p["blocks"], expected_blocks(sd, weights, {"model": 1.0, "clip": 0.5}, TARGETS))
@@ -129,7 +130,7 @@ def test_full_match_report_and_per_block_change(sd15, weights, loras, caplog):
     assert cov["line"] == p["line"] and cov["verdict"] == "" and cov["applied"] == 6
     assert_blocks(cov["blocks"], expected_blocks(sd, weights, {"model": 0.5, "clip": 0.5}, TARGETS))
     assert panel(info_ui)["blocks"] == cov["blocks"] and panel(info_ui)["summary"] == p["summary"]
-    assert summary_text.startswith(f"{name}: 6 modules (LoCon ×6), rank 2–8, alpha 1–8") and triggers == ""
+    assert summary_text.startswith(f"{name}: 6 modules (LoRA ×5, LoCon ×1), rank 2–8, alpha 1–8") and triggers == ""
     assert model.patches == {} and clip.patcher.patches == {}
 
 
@@ -224,7 +225,7 @@ def test_model_only_reports_text_encoder_modules(sd15, weights, loras, caplog):
     share = params(sd, unet) / params(sd, TARGETS)
     assert 0 < share < 1 and p["params_applied"] / p["params_total"] == pytest.approx(share, rel=1e-12)
     assert (p["params_applied"], p["params_total"]) == (params(sd, unet), params(sd, TARGETS))
-    assert f"4/6 modules applied (LoCon 4, {100 * share:.0f}% of parameters)" in p["line"]
+    assert f"4/6 modules applied (LoRA 3, LoCon 1, {100 * share:.0f}% of parameters)" in p["line"]
     assert_blocks(p["blocks"], expected_blocks(sd, weights, {"model": 1.0}, unet))
     (warning,) = lycoris_warnings(caplog)
     assert p["line"] in warning and TE_Q in warning and TE_FC1 in warning and "no CLIP is connected" in warning

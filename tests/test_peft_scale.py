@@ -273,7 +273,7 @@ def test_dora_converted_to_kohya_names_keeps_its_magnitude(tmp_path):
     assert "lora_unet.c3.lora_magnitude_vector" in lycoris_core.SafetensorsFile(path).entries
     truth = merged_changes(model, base)
     lfile = lycoris_core.load(path)
-    assert lfile.unused == [] and {m.label for m in lfile.modules.values()} == {"LoCon+DoRA"}
+    assert lfile.unused == [] and {m.label for m in lfile.modules.values()} == {"LoRA+DoRA", "LoCon+DoRA"}
     for name, change in truth.items():
         module = lfile.modules[f"lora_unet_{name}.weight"]
         weight = base[name].clone()

@@ -61,6 +61,14 @@ LABELS = {"LoConModule": "LoCon", "LohaModule": "LoHa", "LokrModule": "LoKr", "I
           "GLoRAModule": "GLoRA"}
 
 
+def label_of(kind: str, state: dict) -> str:
+    """LoCon on a layer without a kernel wider than 1 (a Linear, a 1×1 conv) is a plain LoRA to its users."""
+    down = state.get("lora_down.weight")
+    if kind == "LoConModule" and "lora_mid.weight" not in state and down is not None and down[0, 0].numel() == 1:
+        return "LoRA"
+    return LABELS[kind]
+
+
 def reference_file(directory: Path, variant_id: str, metadata: dict | None = None, **kwargs):
     """(path, network): the variant's network made by lycoris-lora on the factory's tiny model, saved as LyCORIS does."""
     variant = factory.BY_ID[variant_id]
@@ -100,7 +108,7 @@ def truth_of(lora_module, save_dtype: torch.dtype) -> Truth:
         rank = lora_module.lora_dim
     return Truth(
         key=f"{lora_module.lora_name}.weight",
-        algorithm=LABELS[kind] + ("+DoRA" if wd else ""),
+        algorithm=label_of(kind, state) + ("+DoRA" if wd else ""),
         rank=rank,
         alpha=float(state["alpha"].to(save_dtype)) if "alpha" in state else None,
         conv=factory.LAYER[factory.layer_of(lora_module.lora_name)].kind == "conv",
@@ -296,7 +304,7 @@ def test_peft_file_with_dora_magnitude(tmp_path):
     sd = {**peft(prefix, 32, 48, rank=6), f"{prefix}.lora_magnitude_vector": rand(32, seed=5) + 1,
           **peft("transformer.transformer_blocks.0.attn.to_q", 32, 32, rank=6, seed=9)}
     s = summarize(write(tmp_path / "peft.safetensors", sd))
-    assert s.algorithms == {"LoCon+DoRA": 1, "LoCon": 1}
+    assert s.algorithms == {"LoRA+DoRA": 1, "LoRA": 1}  # PEFT LoRA on Linear layers
     assert s.rank == {"min": 6, "max": 6} and s.alpha is None  # PEFT keeps alpha in adapter_config.json
     assert s.dora_axis == "out"
     assert s.params == 6 * 48 + 32 * 6 + 32 + 6 * 32 + 32 * 6
@@ -315,7 +323,7 @@ def test_kohya_conv_tucker_and_dtypes(tmp_path):
           f"{SD_UNET}ff_net_2.lora_up.weight": rand(320, 2, seed=5).bfloat16()}  # no alpha: alpha = rank
     path = write(tmp_path / "kohya.safetensors", sd)
     s = summarize(path)
-    assert s.module_count == 3 and s.algorithms == {"LoCon": 3}
+    assert s.module_count == 3 and s.algorithms == {"LoCon": 1, "LoRA": 2}  # the 3×3 conv is LoCon, Linears LoRA
     assert s.tucker is True
     assert s.rank == {"min": 2, "max": 8} and s.conv_rank == {"min": 8, "max": 8}
     assert s.alpha == {"min": 1.0, "max": 4.0}  # the module without alpha has none to report
@@ -359,7 +367,7 @@ def test_metadata_declared_family_title_training_and_trigger_words(tmp_path):
                           "author": "someone"}
     assert s.metadata_count == len(metadata)
     text = s.text()
-    assert text.startswith("Cat style: 1 modules (LoCon ×1), rank 4, alpha 2")
+    assert text.startswith("Cat style: 1 modules (LoRA ×1), rank 4, alpha 2")
     assert "base model: sd_v1 (declared), SD1.x (from key names)" in text
     assert "trigger words: lycocat, cat style, cat, sitting, dog, whiskers" in text
 
@@ -423,7 +431,7 @@ def test_reads_no_tensor_data_but_alpha_and_on_input(tmp_path, monkeypatch):
                         lambda self, key: reads.append(key) or original(self, key))
     s = summarize(path)
     assert sorted(reads) == sorted(k for k in sd if k.endswith((".alpha", ".on_input")))
-    assert s.module_count == 3 and s.algorithms == {"LoCon": 2, "(IA)³": 1}
+    assert s.module_count == 3 and s.algorithms == {"LoRA": 1, "LoCon": 1, "(IA)³": 1}
     assert s.rank == {"min": 4, "max": 8} and s.alpha == {"min": 1.0, "max": 4.0}
     assert s.conv_rank == {"min": 4, "max": 4}
     assert s.params == sum(v.numel() for k, v in sd.items() if not k.endswith(("alpha", "on_input")))

@@ -88,6 +88,12 @@ class Algorithm:
     layout_only: tuple[str, ...] = ()  # keys read for the layout only (beyond LAYOUT_ONLY_KEYS): not passed to patches
     bypass: "Callable[[Tensors, Layout, FormSite], Form | None] | None" = None
     factored: "Callable[[Tensors, Layout, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]] | None" = None
+    # what users read for a module whose weight has no kernel wider than 1 (a Linear, a 1×1 conv): "LoRA", not LoCon
+    pointwise_label: str | None = None
+
+    def label_for(self, layout: Layout) -> str:
+        kernel = layout.shape[2:] if layout.shape else ()
+        return self.pointwise_label if self.pointwise_label and math.prod(kernel) == 1 else self.label
 
     def matches(self, t: Tensors, prefix: str = "") -> bool:
         found = [t[m] for m in self.markers if m in t]

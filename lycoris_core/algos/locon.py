@@ -104,6 +104,6 @@ def bypass(t: Tensors, lay: Layout, at: FormSite) -> Factored | None:
 
 
 ALGORITHM = Algorithm(
-    name="locon", label="LoCon", markers=(UP,), keys=(UP, DOWN, MID),
+    name="locon", label="LoCon", pointwise_label="LoRA", markers=(UP,), keys=(UP, DOWN, MID),
     layout=layout, add_into=add_into, supports_dora=True, bypass=bypass, factored=factored,
 )
