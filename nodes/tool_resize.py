@@ -91,7 +91,8 @@ def run(path: str, model, clip, settings: resize.Settings, on_missing_base: str,
                              {"rule": rule_text, "dtype": str(settings.dtype).removeprefix("torch."),
                               "tucker": settings.tucker})
     report.file = write_file(output_name, result.tensors, metadata, overwrite)
-    report.notes.append(f"{rule_text}, {str(settings.dtype).removeprefix('torch.')}; source: {lfile.name}")
+    # What was asked; the ranks written are in the report's first line (a module keeps a lower rank of its own).
+    report.notes.append(f"asked: {rule_text}, {str(settings.dtype).removeprefix('torch.')}; source: {lfile.name}")
     report.notes.append(forms_line(result.modules))
     if result.shape_from_file:
         report.notes.append(

@@ -177,7 +177,15 @@ class ToolReport:
         errors = [r.error for r in self.modules.values()]
         worst = f", largest relative error {max(errors):.2e}" if errors else ""
         skipped = f"; {len(self.not_written)} not written" if self.not_written else ""
-        return f"{self.tool}: {self.file or '(nothing written)'}: {len(self.modules)} modules{worst}{skipped}"
+        return (f"{self.tool}: {self.file or '(nothing written)'}: {len(self.modules)} modules{self.ranks()}{worst}"
+                f"{skipped}")
+
+    def ranks(self) -> str:
+        """The ranks written (what a rank cap or rule gave, not the cap): ", rank 4", ", ranks 2–16", or ""."""
+        ranks = sorted({r.rank for r in self.modules.values() if r.rank is not None})
+        if not ranks:
+            return ""
+        return f", rank {ranks[0]}" if len(ranks) == 1 else f", ranks {ranks[0]}–{ranks[-1]}"
 
     def text(self) -> str:
         rows = [self.line(), *self.notes]

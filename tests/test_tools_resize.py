@@ -304,6 +304,12 @@ def test_node_resizes_loha_without_a_model_exactly_and_comfy_reads_it(sd15, twin
     assert {m.algorithm.name for m in lfile.modules.values()} == {"locon"}
     assert {m.prefix for m in lfile.modules.values()} == {m.prefix for m in load(loras / name).modules.values()}
     assert "not written" not in report
+    # The header says the ranks written (each module's own, from the file), the next line what was asked (a cap).
+    ranks = sorted({r for r in (m.layout.rank for m in lfile.modules.values())})
+    first, asked = report.splitlines()[:2]
+    want = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}–{ranks[-1]}"
+    assert f" modules, {want}, " in first and ranks[-1] < 4096, first
+    assert asked.startswith("asked: rank 4096, float32; source: "), asked
 
 
 def test_node_dora_needs_the_base_model(sd15, twin, loras, one_thread):  # noqa: F811
