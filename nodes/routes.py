@@ -23,6 +23,7 @@ that read instead of reading it too (with the GIL, two reads of one file take tw
 """
 
 import asyncio
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -153,5 +154,34 @@ async def info(request: web.Request) -> web.Response:
     return web.json_response(body, status=status)
 
 
+# --- node help pages -----------------------------------------------------------------------------------------------
+#
+# The frontend's help panel asks for /extensions/<pack folder>/docs/<Node>/<locale>.md first, then for
+# /extensions/<pack folder>/docs/<Node>.md (frontends 1.32 to 1.58). The pages are web/docs/<Node>.md, in English: the
+# first request answers with that page for every locale, so no help page costs a 404 in the browser console.
+
+PACK_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # abspath: a symlinked folder keeps its name
+DOCS_DIR = os.path.join(PACK_ROOT, "web", "docs")
+
+
+def docs_prefixes() -> list[str]:
+    """The URL prefixes of this pack's web folder as the frontend builds them from the node's python_module: the folder
+    name ComfyUI imported the pack under (and, for a registry install named `<pack>@<version>`, the part before @)."""
+    folder = os.path.basename(PACK_ROOT)
+    names = dict.fromkeys([folder, folder.split("@")[0]])
+    return [f"/extensions/{name}/docs" for name in names]
+
+
+async def node_doc(request: web.Request) -> web.StreamResponse:
+    node = request.match_info["node"]
+    path = os.path.join(DOCS_DIR, f"{node}.md")
+    if not node.isidentifier() or not os.path.isfile(path):
+        raise web.HTTPNotFound()
+    return web.FileResponse(path, headers={"Content-Type": "text/markdown; charset=utf-8"})
+
+
 def register(routes: web.RouteTableDef) -> None:
     routes.get("/lycoris/info")(info)
+    # Added before ComfyUI adds the extensions' static folders, so these answer first for the locale paths only.
+    for prefix in docs_prefixes():
+        routes.get(prefix + "/{node}/{locale}.md")(node_doc)

@@ -57,7 +57,7 @@ def test_listed_file_gives_its_summary(loras):
     status, body, _ = get_name(name)
     assert status == 200
     assert body == json.loads(json.dumps(summarize(loras / name).to_json()))
-    assert body["name"] == name and body["module_count"] == 2 and body["algorithms"] == {"LoCon": 2}
+    assert body["name"] == name and body["module_count"] == 2 and body["algorithms"] == {"LoRA": 2}
     assert body["rank"] == {"min": 4, "max": 8} and body["trigger_words"] == ["lycotest"]
     assert body["base_model"]["declared"] == "sd_v1" and "modules" not in body
 
@@ -167,7 +167,10 @@ def test_route_in_an_aiohttp_app(loras):
     """register() on a RouteTableDef, served by a real aiohttp server: routing, query decoding, status codes."""
     table = web.RouteTableDef()
     routes.register(table)
-    assert [(r.method, r.path, r.handler) for r in table] == [("GET", "/lycoris/info", routes.info)]
+    assert [(r.method, r.path, r.handler) for r in table] == [
+        ("GET", "/lycoris/info", routes.info),
+        *[("GET", prefix + "/{node}/{locale}.md", routes.node_doc) for prefix in routes.docs_prefixes()],
+    ]
     name = write(loras, "served file.safetensors", lora(TO_Q, 320, 320, seed=1), SD_META)
     (loras / "evil.pt").write_bytes(b"not even a pickle")
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import urllib.error
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 from test_server_demo import LYCORIS, loader_id
 
 pytestmark = pytest.mark.e2e
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def demo_modules(assets) -> Counter:
@@ -44,3 +46,22 @@ def test_loader_payload_in_history(server, prompt):
     assert payload["summary"]["algorithms"] == {"LoKr+DoRA": 65}
     assert payload["blocks"] and sum(b["modules"] for b in payload["blocks"]) == 65
     assert all(b["change"] > 0 for b in payload["blocks"])
+
+
+def test_help_pages_answer_the_frontends_first_request(server):
+    """Frontends 1.32 to 1.58 fetch a custom node's help at /extensions/<pack folder>/docs/<Node>/<locale>.md first,
+    then at /extensions/<pack folder>/docs/<Node>.md: the first answers (English for every locale), so no help page
+    costs the browser a 404. The folder is what the frontend reads from the node's python_module."""
+    docs = REPO_ROOT / "web" / "docs"
+    info = server.object_info()
+    ours = sorted(name for name, node in info.items() if (docs / f"{name}.md").is_file())
+    assert len(ours) == len(list(docs.glob("*.md")))
+    for name in ours:
+        folder = info[name]["python_module"].split(".")[1]
+        page = (docs / f"{name}.md").read_bytes()
+        for locale in ("en", "zh", "ja"):
+            assert server._request(f"extensions/{folder}/docs/{name}/{locale}.md") == page, (name, locale)
+        assert server._request(f"extensions/{folder}/docs/{name}.md") == page
+    with pytest.raises(urllib.error.HTTPError) as err:
+        server._request(f"extensions/{folder}/docs/NoSuchNode/en.md")
+    assert err.value.code == 404
