@@ -132,6 +132,15 @@ def test_every_node_has_a_help_page_and_tooltips():
         assert all(o.tooltip for o in schema.outputs), schema.node_id
 
 
+def test_readme_names_each_node_as_the_node_library_does():
+    """The README's node table lists every node under the name a user finds in the node library, and nothing else."""
+    extension = asyncio.run(lycoris_nodes.comfy_entrypoint())
+    names = {node.define_schema().display_name for node in asyncio.run(extension.get_node_list())}
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    table = re.findall(r"^\| \*\*(.+?)\*\* \|", readme, flags=re.MULTILINE)
+    assert sorted(table) == sorted(names)
+
+
 # --- comfy-test (PyPI comfy-test): its config, and its levels that run offline -----------------------------------
 
 def _comfy_test(*args: str) -> dict:
