@@ -195,6 +195,14 @@ class LycorisPanel {
         return typeof value === "string" && value ? value : null;
     }
 
+    /** False when the name is not among the files the combo lists (a template's placeholder, a file since removed):
+     * the server would answer 404, so nothing is asked. Names saved on Windows (`sub\\file`) are listed with `/`. */
+    isListed(name) {
+        const values = this.nameWidget()?.options?.values;
+        if (!Array.isArray(values)) return true; // a frontend that lists them elsewhere: the route decides
+        return values.includes(name) || values.includes(name.replaceAll("\\", "/"));
+    }
+
     /** Fetch the metadata of the selected file unless it is already shown (or being fetched). */
     async refresh(force = false) {
         const name = this.currentName();
@@ -212,6 +220,13 @@ class LycorisPanel {
         }
         const id = ++this.requestId;
         this.infoName = name;
+        if (!this.isListed(name)) {
+            this.loading = false;
+            this.info = null;
+            this.error = `${name} is not in the loras folder: pick one of your files (or press R after adding it)`;
+            this.render();
+            return;
+        }
         this.loading = true;
         this.error = null;
         this.render();
@@ -285,6 +300,7 @@ class LycorisPanel {
             return "ComfyUI answered this node from its cache, and the report of the run that made it is no longer in "
                 + "the server's history: change an input to run it again";
         }
+        if (this.cached === "reloaded") return "the last run's report, from the server's history";
         if (this.cached) return "from ComfyUI's cache: the node did not run again, this is its last run's report";
         return null;
     }
@@ -414,10 +430,10 @@ class LycorisPanel {
         const text = setBlockRule(old, name, value);
         if (text === old) return;
         widget.value = text;
-        // The multiline widget's textarea, where the frontend does not sync it from the value itself.
-        for (const area of [widget.inputEl, widget.element]) {
-            if (area && "value" in area && area.value !== text) area.value = text;
-        }
+        // The multiline widget's textarea, where the frontend does not sync it from the value itself (the classic
+        // renderer; `element` in every frontend, `inputEl` is a deprecated name for it).
+        const area = widget.element;
+        if (area && "value" in area && area.value !== text) area.value = text;
         try {
             widget.callback?.(text, app.canvas, this.node, undefined, undefined);
             this.node.onWidgetChanged?.(widget.name, text, old, widget);
@@ -433,7 +449,11 @@ class LycorisPanel {
         graph?.change?.();
         this.node.setDirtyCanvas?.(true, true);
         app.canvas?.setDirty?.(true, true);
-        if (commit) app.extensionManager?.workflow?.activeWorkflow?.changeTracker?.checkState?.();
+        if (commit) {
+            // An undo step: captureCanvasState since frontend 1.58 (checkState, its old name, warns there).
+            const tracker = app.extensionManager?.workflow?.activeWorkflow?.changeTracker;
+            (tracker?.captureCanvasState ?? tracker?.checkState)?.call(tracker);
+        }
     }
 
     /** After the text was edited by hand: move the sliders to what it now says (no full redraw while dragging). */
@@ -650,7 +670,10 @@ async function promptOf(promptId) {
     return null;
 }
 
-/** The report of the newest run, other than promptId, in which node `id` ran with the inputs it has in `prompt`. */
+/**
+ * The report of the newest run, other than promptId, in which a node ran with the inputs node `id` has in `prompt`:
+ * ComfyUI's cache is keyed by inputs, not by node id, so the run may be another workflow's, under another id.
+ */
 async function lastReport(promptId, prompt, id) {
     const want = signature(prompt, id);
     if (!want) return null;
@@ -659,9 +682,16 @@ async function lastReport(promptId, prompt, id) {
         const entries = Object.entries(history ?? {}).reverse(); // the server lists them oldest first
         for (const [pid, entry] of entries) {
             if (pid === promptId) continue;
-            const output = entry?.outputs?.[id]?.lycoris;
-            const report = Array.isArray(output) ? output[0] : output;
-            if (report && typeof report === "object" && signature(entry.prompt?.[2], id) === want) return report;
+            const memo = new Map();
+            // This node's own id first: the same workflow run again.
+            const ids = Object.keys(entry?.outputs ?? {}).sort((a, b) => (b === id) - (a === id));
+            for (const other of ids) {
+                const output = entry.outputs[other]?.lycoris;
+                const report = Array.isArray(output) ? output[0] : output;
+                if (report && typeof report === "object" && signature(entry.prompt?.[2], other, memo) === want) {
+                    return report;
+                }
+            }
         }
         if (entries.length < items) break; // that was all of it
     }
@@ -690,6 +720,23 @@ async function restoreCached(detail) {
     }
 }
 
+/**
+ * After a workflow is opened (a page reload restores the open one): the panels have no report, since the frontend
+ * keeps none across a reload. The report of the newest run in which a node ran with the inputs it has now is in the
+ * server's history, found as for a cached run; panels whose inputs match no kept run stay as they are.
+ */
+async function restoreFromHistory() {
+    const panels = [...livePanels].filter((panel) => !panel.report && panel.node.graph);
+    if (!panels.length) return;
+    const prompt = (await app.graphToPrompt())?.output;
+    if (!prompt) return;
+    for (const panel of panels) {
+        const report = await lastReport(null, prompt, String(panel.node.id));
+        // Not when a run's own report arrived meanwhile.
+        if (report && !panel.report && livePanels.has(panel)) panel.onExecuted({ lycoris: [report] }, "reloaded");
+    }
+}
+
 function addPanel(node) {
     if (node.widgets?.some((w) => w.name === PANEL_WIDGET)) return node.lycorisPanel;
     const panel = new LycorisPanel(node);
@@ -714,12 +761,21 @@ function addPanel(node) {
     };
 
     afterCallback(panel.nameWidget(), () => panel.refresh());
+    // A model-library drop calls no callback: the panel follows, and the node hears of the change as from a user
+    // (frontend 1.58 clears its "missing model" mark of the node there), and the workflow is marked modified.
+    afterAssign(panel.nameWidget(), (value, before, dropped) => {
+        if (dropped) {
+            node.onWidgetChanged?.(NAME_WIDGET, value, before, panel.nameWidget());
+            panel.markChanged(true);
+        }
+        panel.refresh();
+    });
     if (panel.blockEditor) {
         // Sliders follow the text when it is typed (the textarea's input event) or set (its callback, the preset).
         const textWidget = panel.textWidget();
         // Room for the rules in the classic renderer (the Vue renderer's textarea gets it from lycoris_panel.css).
         if (textWidget?.options && !textWidget.options.getMinHeight) textWidget.options.getMinHeight = () => TEXT_MIN_HEIGHT;
-        const area = textWidget?.inputEl ?? textWidget?.element;
+        const area = textWidget?.element;
         area?.addEventListener?.("input", () => panel.syncSliders());
         afterCallback(textWidget, () => panel.syncSliders());
         afterCallback(node.widgets?.find((w) => w.name === PRESET_WIDGET), () => panel.render());
@@ -761,16 +817,141 @@ function addReport(node) {
     return report;
 }
 
+// --- LoRAs dropped from the model library --------------------------------------------------------------------------
+//
+// The frontend (1.32 to 1.58) decides what a model dropped from its model library does with a table from model folder
+// to (node type, widget name): dropped onto a node listed there, the node's widget takes the file; dropped on empty
+// canvas, the first entry's node is made. Node packs have no public way to add to the table: it is the Pinia store
+// "modelToNode", reached here through the Vue app, behind feature detection. Without it (another frontend, the store
+// renamed) nothing changes: a drop makes ComfyUI's own Load LoRA, as without this pack.
+
+const DROP_FOLDER = "loras";
+const DROP_SETTING = "LycorisNodes.ModelLibrary.DropOnCanvas";
+const DROP_CORE = "ComfyUI's Load LoRA";
+const DROP_OURS = "LyCORIS Loader";
+const FIRST_DROP_TYPE = "LycorisLoader"; // made by an empty-canvas drop when the setting says so
+const dropTypes = []; // the pack's node types with a lycoris_name file combo, from their definitions
+
+function modelToNodeStore() {
+    try {
+        const pinia = document.querySelector("#vue-app")?.__vue_app__?.config?.globalProperties?.$pinia;
+        const store = pinia?._s?.get?.("modelToNode");
+        const usable = ["quickRegister", "getAllNodeProviders"].every((f) => typeof store?.[f] === "function");
+        return usable ? store : null;
+    } catch {
+        return null;
+    }
+}
+
+/**
+ * Our node types in the drop table (once each), and ours first or last for an empty-canvas drop. `choice`: the setting's
+ * value, passed by its onChange: frontends 1.32 and 1.49 call onChange before they store the new value, so reading the
+ * setting there gives the old one (1.58 stores it first).
+ */
+function registerModelDrops(choice = app.extensionManager?.setting?.get?.(DROP_SETTING)) {
+    const store = modelToNodeStore();
+    if (!store) return false;
+    const providers = () => store.getAllNodeProviders(DROP_FOLDER) ?? [];
+    const isOurs = (p) => dropTypes.includes(p?.nodeDef?.name);
+    for (const type of dropTypes) {
+        if (!providers().some((p) => p?.nodeDef?.name === type)) store.quickRegister(DROP_FOLDER, type, NAME_WIDGET);
+    }
+    const list = providers();
+    if (!Array.isArray(list)) return false;
+    const ours = list.filter(isOurs).sort((a, b) => (b.nodeDef.name === FIRST_DROP_TYPE) - (a.nodeDef.name === FIRST_DROP_TYPE));
+    const core = list.filter((p) => !isOurs(p));
+    const first = choice === DROP_OURS;
+    list.splice(0, list.length, ...(first ? [...ours, ...core] : [...core, ...ours])); // the store's own array
+    return true;
+}
+
+// While a drag (of a model-library entry, or anything) is over the page: the panels let it through to the canvas
+// under them, which is the drop target (in the classic renderer a panel covers most of its node); and a drop in
+// progress, during which the frontend assigns the dropped file to the node's widget.
+let dropping = false;
+
+function watchDrags() {
+    // The panel, and the frontend's wrapper around it when that holds nothing else (1.49+: div.dom-widget), which
+    // takes the pointer too.
+    const layers = (panel) => {
+        const wrapper = panel.root.parentElement;
+        return wrapper && wrapper.childElementCount === 1 ? [panel.root, wrapper] : [panel.root];
+    };
+    const through = (on) => {
+        for (const panel of livePanels) {
+            for (const layer of layers(panel)) {
+                if (on) {
+                    layer.dataset.lycorisPointer ??= layer.style.pointerEvents;
+                    layer.style.pointerEvents = "none";
+                } else if (layer.dataset.lycorisPointer !== undefined) {
+                    layer.style.pointerEvents = layer.dataset.lycorisPointer;
+                    delete layer.dataset.lycorisPointer;
+                }
+            }
+        }
+    };
+    window.addEventListener("dragstart", () => through(true), true);
+    for (const type of ["dragend", "drop"]) window.addEventListener(type, () => through(false), true);
+    window.addEventListener("drop", () => {
+        dropping = true;
+        setTimeout(() => (dropping = false), 0); // the frontend's drop handler runs in this event's dispatch
+    }, true);
+}
+
+/**
+ * Call `after(value, before, dropped)` whenever the widget's value is assigned: a model-library drop sets it without
+ * its callback (dropped: during a drop's dispatch).
+ */
+function afterAssign(widget, after) {
+    if (!widget) return;
+    let proto = widget;
+    let desc;
+    while (proto && !(desc = Object.getOwnPropertyDescriptor(proto, "value"))) proto = Object.getPrototypeOf(proto);
+    if (desc && !desc.configurable && proto === widget) return;
+    let plain = desc && "value" in desc ? desc.value : undefined;
+    Object.defineProperty(widget, "value", {
+        configurable: true,
+        enumerable: true,
+        get() {
+            return desc?.get ? desc.get.call(this) : plain;
+        },
+        set(v) {
+            const before = desc?.get ? desc.get.call(this) : plain;
+            if (desc?.set) desc.set.call(this, v);
+            else plain = v;
+            const dropped = dropping;
+            if (v !== before) queueMicrotask(() => after(v, before, dropped));
+        },
+    });
+}
+
 const extension = {
     name: "lycoris_nodes.panel",
+
+    settings: [
+        {
+            id: DROP_SETTING,
+            category: ["LyCORIS Nodes", "Model library", "Drop on canvas"],
+            name: "A LoRA dropped from the model library onto empty canvas makes",
+            tooltip: "Dropped onto a LyCORIS node, a LoRA always fills its file. On empty canvas it makes this node.",
+            type: "combo",
+            options: [DROP_CORE, DROP_OURS],
+            defaultValue: DROP_CORE,
+            onChange: (value) => registerModelDrops(value),
+        },
+    ],
 
     setup() {
         api.addEventListener("execution_cached", ({ detail }) => {
             restoreCached(detail).catch((e) => console.error("[lycoris_panel] execution_cached:", e));
         });
+        registerModelDrops();
+        watchDrags();
     },
 
     async beforeRegisterNodeDef(nodeType, nodeData) {
+        const fileInput = nodeData.input?.required?.[NAME_WIDGET];
+        if (Array.isArray(fileInput) && !dropTypes.includes(nodeData.name)) dropTypes.push(nodeData.name);
         if (TOOL_TYPES.includes(nodeData.name)) {
             const onToolExecuted = nodeType.prototype.onExecuted;
             nodeType.prototype.onExecuted = function (output) {
@@ -812,6 +993,13 @@ const extension = {
         } catch (e) {
             console.error("[lycoris_panel] could not add the panel:", e);
         }
+    },
+
+    afterConfigureGraph() {
+        // After the nodes' own refresh (addPanel's setTimeout), so a report found here is not overwritten by it.
+        setTimeout(() => {
+            restoreFromHistory().catch((e) => console.error("[lycoris_panel] restoring the last run's report:", e));
+        }, 0);
     },
 
     loadedGraphNode(node) {
