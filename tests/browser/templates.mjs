@@ -1,0 +1,153 @@
+// Every example workflow run in a real browser, then its nodes measured: none may cover another after the run
+// (tests/e2e/test_browser_templates.py).
+//
+//   COMFY_URL=http://127.0.0.1:8188/ SCREENSHOT=/tmp/t.png RENDERER=vue WORKFLOWS=/tmp/demo.json SHOTS=/tmp/shots \
+//       node tests/browser/templates.mjs
+//
+// Env (besides common.mjs's): WORKFLOWS, a JSON file {name: workflow}: the examples as the tests run them on the tiny
+// model (scripts/example_models.py for_demo; the tools' output names made unique per run by the caller); SHOTS, the
+// folder for one screenshot per example after its run (<name>.png, the whole graph in view).
+//
+// For each example: load it, queue it, wait for the run and for the nodes to stop growing (the panels and reports
+// are filled by the run), then read every node's rectangle as drawn (the Vue renderer: its element; classic: title
+// bar + body from pos and size) and list each pair that intersects. The result has, per example, the rectangles
+// and the overlaps; the caller asserts none.
+
+import { mkdirSync, readFileSync } from "node:fs";
+import { join } from "node:path";
+
+import {
+    CheckError, REPO, check, loadWorkflow, mark, queueAndWait, reopenUI, runBrowserScript, setRenderer, waitFor,
+} from "./common.mjs";
+
+const WORKFLOWS = JSON.parse(readFileSync(process.env.WORKFLOWS, "utf8"));
+const SHOTS = process.env.SHOTS;
+const SETTLE_MS = 600; // the rectangles must stay the same this long to count as final
+// After this example's run the page is reloaded: its panels must show the run's report again without a new run.
+const RELOAD_AFTER = process.env.RELOAD_AFTER || "lycoris_loader";
+
+/** The coverage lines and notes of every panel in the graph, by node id. */
+function panelLines() {
+    const out = {};
+    for (const node of window.comfyAPI.app.app.graph.nodes) {
+        const root = node.widgets?.find((w) => w.name === "lycoris_panel")?.element;
+        if (!root) continue;
+        const q = (sel) => [...root.querySelectorAll(sel)].map((e) => e.textContent);
+        out[node.id] = { lines: q(".lycoris-coverage .lycoris-line"), notes: q(".lycoris-cached"), text: root.innerText };
+    }
+    return out;
+}
+
+/** Every node's rectangle in screen pixels, as the renderer draws it, and the intersecting pairs. */
+export function nodeRects() {
+    const app = window.comfyAPI.app.app;
+    const canvas = app.canvas;
+    const title = window.LiteGraph.NODE_TITLE_HEIGHT;
+    const rects = [];
+    for (const node of app.graph.nodes) {
+        const vue = document.querySelector(`.lg-node[data-node-id="${node.id}"]`);
+        let box;
+        if (vue && vue.offsetParent !== null) {
+            const r = vue.getBoundingClientRect();
+            box = [r.left, r.top, r.right, r.bottom];
+        } else {
+            const [x, y] = canvas.ds.convertOffsetToCanvas([node.pos[0], node.pos[1] - title]);
+            const s = canvas.ds.scale;
+            const h = node.flags?.collapsed ? title : node.size[1] + title;
+            box = [x, y, x + node.size[0] * s, y + h * s];
+        }
+        rects.push({ id: node.id, type: node.type, title: node.title, box: box.map((v) => Math.round(v * 10) / 10) });
+    }
+    const overlaps = [];
+    for (let i = 0; i < rects.length; i++) {
+        for (let j = i + 1; j < rects.length; j++) {
+            const [a, b] = [rects[i].box, rects[j].box];
+            const w = Math.min(a[2], b[2]) - Math.max(a[0], b[0]);
+            const h = Math.min(a[3], b[3]) - Math.max(a[1], b[1]);
+            if (w > 0.5 && h > 0.5) overlaps.push({ a: rects[i].title, b: rects[j].title, w: Math.round(w), h: Math.round(h) });
+        }
+    }
+    return { rects, overlaps, scale: canvas.ds.scale };
+}
+
+/** The whole graph in view, as the frontend's "fit view" does. */
+async function fitView(page) {
+    await page.evaluate(() => {
+        const app = window.comfyAPI.app.app;
+        const nodes = app.graph.nodes;
+        const title = window.LiteGraph.NODE_TITLE_HEIGHT;
+        const x0 = Math.min(...nodes.map((n) => n.pos[0]));
+        const y0 = Math.min(...nodes.map((n) => n.pos[1] - title));
+        const x1 = Math.max(...nodes.map((n) => n.pos[0] + n.size[0]));
+        const y1 = Math.max(...nodes.map((n) => n.pos[1] + n.size[1]));
+        const ds = app.canvas.ds;
+        const rect = app.canvas.canvas.getBoundingClientRect();
+        const pad = 40;
+        const left = 100; // the sidebar's icons are drawn over the canvas's left edge
+        ds.scale = Math.min(1, (rect.width - left - pad) / (x1 - x0), (rect.height - 2 * pad) / (y1 - y0));
+        ds.offset[0] = left / ds.scale - x0;
+        ds.offset[1] = pad / ds.scale - y0;
+        app.canvas.setDirty(true, true);
+    });
+    await page.waitForTimeout(400); // DOM widgets and Vue nodes follow the canvas on the next frames
+}
+
+/** Poll nodeRects until it is the same for SETTLE_MS (panels fill and nodes grow over a few frames after a run). */
+async function settledRects(page) {
+    let last = null;
+    let since = Date.now();
+    const deadline = Date.now() + 20000;
+    while (Date.now() < deadline) {
+        const now = await page.evaluate(nodeRects);
+        const same = last && JSON.stringify(now.rects) === JSON.stringify(last.rects);
+        if (!same) since = Date.now();
+        else if (Date.now() - since >= SETTLE_MS) return now;
+        last = now;
+        await page.waitForTimeout(150);
+    }
+    throw new CheckError("the nodes kept changing size for 20 s after the run");
+}
+
+/** Reload the page (the frontend restores the open workflow): each panel shows the report it showed after the run. */
+async function reloadKeepsReports(page) {
+    const ran = await page.evaluate(panelLines);
+    check(Object.values(ran).some((p) => p.lines.length), `no panel shows a report after the run: ${JSON.stringify(ran)}`);
+    await reopenUI(page);
+    const restored = await waitFor(page, "the panels to show the last run's report after the reload", (want) => {
+        const now = window.__templatesPanelLines();
+        const same = Object.entries(want).every(([id, p]) => JSON.stringify(now[id]?.lines) === JSON.stringify(p.lines));
+        return same ? now : { ok: false, now };
+    }, ran, 20000);
+    return { ran, restored };
+}
+
+await runBrowserScript({
+    name: "templates.mjs",
+    workflowPath: join(REPO, "example_workflows", "lycoris_loader.json"),
+    nodeType: "LycorisLoader",
+    closeUp: { scale: 1, top: 120 },
+    initScript: `window.__templatesPanelLines = ${panelLines};`,
+    async body({ page, result }) {
+        await setRenderer(page);
+        mkdirSync(SHOTS, { recursive: true });
+        result.examples = {};
+        for (const [name, workflow] of Object.entries(WORKFLOWS)) {
+            await loadWorkflow(page, workflow);
+            await waitFor(page, `${name} to load`, (n) => window.comfyAPI.app.app.graph.nodes.length === n, workflow.nodes.length);
+            await fitView(page);
+            const before = await settledRects(page);
+            await queueAndWait(page);
+            mark(`ran_${name}`);
+            await fitView(page);
+            const after = await settledRects(page);
+            await fitView(page); // the grown graph in view for the picture
+            await page.mouse.move(5, 995);
+            await page.screenshot({ path: join(SHOTS, `${name}.png`) });
+            result.examples[name] = { before: before.overlaps, after: after.overlaps, rects: after.rects };
+            if (name === RELOAD_AFTER) result.reload = await reloadKeepsReports(page);
+        }
+        const bad = Object.entries(result.examples).filter(([, e]) => e.after.length || e.before.length);
+        check(!bad.length, `nodes cover each other: ${JSON.stringify(bad.map(([n, e]) => [n, e.before, e.after]))}`);
+        result.ok = true;
+    },
+});
