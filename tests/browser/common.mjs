@@ -30,6 +30,37 @@ const CHROMIUM_ARGS = [
     "--disable-sync",
 ];
 
+// What the pack causes in the page, told from what the frontend does on its own (1.58.1 alone logs a dozen
+// deprecation warnings and 404s of its own on start-up): console warnings and errors written while one of the pack's
+// files is on the call stack (V8 keeps the awaited callers in it), requests from its code that failed or were
+// answered 4xx/5xx, and failed requests for the pack's own URLs (its web folder, docs, templates, routes).
+const PACK_FILE = /\/extensions\/lycoris[^/]*\//i;
+const PACK_URL = /\/extensions\/lycoris|\/lycoris\/|\/workflow_templates\/lycoris/i;
+const PACK_WATCH = `(() => {
+    const ours = ${PACK_FILE};
+    const report = (kind, text) => window.__packReport?.({ kind, text: String(text).slice(0, 500) });
+    const fromPack = () => ours.test((new Error().stack ?? "").split("\\n").slice(2).join("\\n"));
+    for (const level of ["warn", "error"]) {
+        const original = console[level];
+        console[level] = function (...args) {
+            if (fromPack()) report("console." + level, args.map(String).join(" "));
+            return original.apply(this, args);
+        };
+    }
+    const fetch0 = window.fetch;
+    window.fetch = async function (...args) {
+        const mine = fromPack();
+        try {
+            const resp = await fetch0.apply(this, args);
+            if (mine && !resp.ok) report("fetch", resp.status + " " + resp.url);
+            return resp;
+        } catch (e) {
+            if (mine) report("fetch", e + " " + args[0]);
+            throw e;
+        }
+    };
+})();`;
+
 const t0 = Date.now();
 const timings = {};
 export const warnings = [];
@@ -70,7 +101,10 @@ async function isTimeout(promise) {
 
 /** Close one open dialog: Escape, as a user would, else its own close button; fail when it stays open. */
 async function closeDialog(page, dialog) {
-    const label = (await dialog.getAttribute("aria-labelledby")) || "(unlabelled)";
+    // 1.58.1 opens the templates dialog without a title (its aria-labelledby is a generated id) and names it with
+    // data-dialog-key; 1.32.9 and 1.49.6 label it with aria-labelledby.
+    const label = (await dialog.getAttribute("data-dialog-key")) || (await dialog.getAttribute("aria-labelledby"))
+        || "(unlabelled)";
     const handle = await dialog.elementHandle();
     await page.keyboard.press("Escape");
     if (!(await isTimeout(handle.waitForElementState("hidden", { timeout: 2000 })))) {
@@ -304,6 +338,9 @@ export async function runBrowserScript({
     const profile = mkdtempSync(join(tmpdir(), "lycoris-chromium-"));
     const pageErrors = [];
     const consoleErrors = [];
+    const consoleLog = []; // every console warning and error: {type, text, url}
+    const failedRequests = []; // every request that failed or was answered 4xx/5xx: {url, status}
+    const packIssues = []; // what of those the pack caused (PACK_WATCH): any fails the script
     const result = { ok: false, renderer: RENDERER, screenshot: SCREENSHOT };
     let context;
     let page;
@@ -318,11 +355,28 @@ export async function runBrowserScript({
         if (clipboard) {
             await context.grantPermissions(["clipboard-read", "clipboard-write"], { origin: new URL(COMFY_URL).origin });
         }
+        await context.exposeBinding("__packReport", (_source, entry) => packIssues.push(entry));
+        await context.addInitScript({ content: PACK_WATCH });
         if (initScript) await context.addInitScript({ content: initScript });
         page = context.pages()[0] ?? (await context.newPage());
         page.on("pageerror", (err) => pageErrors.push(String(err?.stack || err)));
         page.on("console", (msg) => {
             if (msg.type() === "error") consoleErrors.push(msg.text());
+            if (["error", "warning"].includes(msg.type())) {
+                consoleLog.push({ type: msg.type(), text: msg.text().slice(0, 500), url: msg.location()?.url ?? "" });
+            }
+        });
+        page.on("requestfailed", (req) => {
+            const why = req.failure()?.errorText ?? "";
+            if (/ERR_ABORTED/.test(why)) return; // a navigation or reload cancelled it
+            failedRequests.push({ url: req.url(), status: why });
+            if (PACK_URL.test(req.url())) packIssues.push({ kind: "request", text: `${why} ${req.url()}` });
+        });
+        page.on("response", (resp) => {
+            if (resp.status() >= 400) failedRequests.push({ url: resp.url(), status: resp.status() });
+            if (resp.status() >= 400 && PACK_URL.test(resp.url())) {
+                packIssues.push({ kind: "request", text: `${resp.status()} ${resp.url()}` });
+            }
         });
         onPage?.(page);
         await openUI(page, result);
@@ -343,7 +397,17 @@ export async function runBrowserScript({
         rmSync(profile, { recursive: true, force: true });
     }
     mark("done");
-    Object.assign(result, { warnings, timings, page_errors: pageErrors.slice(0, 10) });
+    const packPageErrors = pageErrors.filter((e) => PACK_FILE.test(e)).map((text) => ({ kind: "pageerror", text }));
+    const caused = [...packIssues, ...packPageErrors];
+    if (caused.length && result.ok) {
+        result.ok = false;
+        result.error = `the pack caused ${caused.length} console warning(s)/error(s) or failed request(s): `
+            + JSON.stringify(caused.slice(0, 5));
+    }
+    Object.assign(result, {
+        warnings, timings, page_errors: pageErrors.slice(0, 10), console: consoleLog.slice(0, 50),
+        failed_requests: failedRequests.slice(0, 50), pack_issues: caused.slice(0, 20),
+    });
     for (const w of warnings) log(`warning: ${w}`);
     if (!result.ok) log(`FAILED (${RENDERER}): ${result.error}`);
     console.log(JSON.stringify(result));

@@ -73,8 +73,13 @@ async function isHidden(locator, timeout) {
 
 /** Open the template browser on the pack's category and wait for its cards' images to settle. */
 async function openTemplates(page, category) {
-    // Both frontends label it so (the first-run templates dialog is the same one, see common.mjs).
-    const dialog = page.locator('[role="dialog"][aria-labelledby="global-workflow-template-selector"]:visible');
+    // The dialog's key names it (the first-run templates dialog is the same one, see common.mjs): 1.32.9 and 1.49.6
+    // label it with the key (aria-labelledby); 1.58.1 opens it headless, with no label, and marks it with
+    // data-dialog-key instead (GlobalDialog.vue). Whichever the page has.
+    const key = "global-workflow-template-selector";
+    const dialog = page.locator(
+        `[role="dialog"][aria-labelledby="${key}"]:visible, [role="dialog"][data-dialog-key="${key}"]:visible`,
+    );
     // The command toggles the browser. Right after the first-run templates dialog was closed (1.49.6) a call can find
     // it still counted as open, and on a loaded machine the category can be re-rendered under the click: so close
     // and try again, at most 3 times.

@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import make_demo_lycoris
 import make_tiny_sd15
 from comfy_server import ComfyServer, ui_to_api
+from frontends import BUNDLED, FRONTENDS, frontend_args
 from test_server_demo import ASSETS, CHECKPOINT, LYCORIS, LYCORIS_LOHA, WORKFLOW, make_base_dir
 
 
@@ -42,6 +43,17 @@ def model_files(assets, loha_file) -> dict[str, list[Path]]:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, model_files):
     with ComfyServer(make_base_dir(tmp_path_factory.mktemp("comfy-base"), model_files)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session", params=FRONTENDS)
+def browser_server(request, tmp_path_factory, model_files):
+    """The session's server for the bundled frontend; for another frontend, a server of its own serving it."""
+    if request.param == BUNDLED:
+        yield request.getfixturevalue("server")
+        return
+    base = make_base_dir(tmp_path_factory.mktemp(f"comfy-frontend-{request.param}"), model_files)
+    with ComfyServer(base, extra_args=frontend_args(request.param)) as srv:
         yield srv
 
 

@@ -32,6 +32,7 @@ import make_demo_lycoris
 import make_tiny_sd15
 from comfy_server import ComfyServer, ui_to_api
 from example_models import demo_workflow
+from frontends import FRONTENDS, frontend_args
 from test_server_demo import ASSETS, CHECKPOINT, LYCORIS, LYCORIS_LOHA, make_base_dir
 
 pytestmark = pytest.mark.e2e
@@ -71,16 +72,17 @@ def browser_ready() -> None:
         )
 
 
-@pytest.fixture(scope="module")
-def panel_server(tmp_path_factory, browser_ready):
+@pytest.fixture(scope="module", params=FRONTENDS)
+def panel_server(request, tmp_path_factory, browser_ready):
     """A server of its own: a fresh user folder (so the first-run templates dialog opens, as for a new user), and no
-    output cache (--cache-none), so every queued run executes the loader and sends its report again."""
+    output cache (--cache-none), so every queued run executes the loader and sends its report again; one per frontend
+    (conftest.FRONTENDS)."""
     ckpt = make_tiny_sd15.write_tiny_sd15(ASSETS / CHECKPOINT)  # cached in .deps/test-assets after the first run
     loras = [make_demo_lycoris.write_demo_lycoris(ASSETS / LYCORIS, ckpt),
              make_demo_lycoris.write_demo_loha(ASSETS / LYCORIS_LOHA, ckpt)]
     assets = {"checkpoints": ckpt, "loras": loras}
     base = make_base_dir(tmp_path_factory.mktemp("comfy-browser"), assets)
-    with ComfyServer(base, extra_args=["--cache-none"]) as srv:
+    with ComfyServer(base, extra_args=["--cache-none", *frontend_args(request.param)]) as srv:
         yield srv
 
 
