@@ -150,6 +150,28 @@ export async function closeFirstRunDialogs(page, firstRun) {
 }
 
 /**
+ * Close every dialog over the graph (Escape, else its close button), first waiting up to `wait` ms for one to open;
+ * return their titles. For dialogs the frontend opens over a loaded workflow (a missing-model list).
+ */
+export async function closeDialogs(page, wait = 0) {
+    const open = page.locator('[role="dialog"]:visible');
+    if (wait) await open.first().waitFor({ state: "visible", timeout: wait }).catch(() => {});
+    const closed = [];
+    for (let i = 0; i < 4 && (await open.count()) > 0; i++) {
+        const dialog = open.first();
+        closed.push(((await dialog.innerText().catch(() => "")) || "").split("\n")[0].slice(0, 80));
+        await page.keyboard.press("Escape");
+        await page.waitForTimeout(300);
+        if (await dialog.isVisible().catch(() => false)) {
+            await dialog.locator(CLOSE_BUTTON).first().click({ timeout: 3000 });
+            await page.waitForTimeout(300);
+        }
+    }
+    check((await open.count()) === 0, `a dialog stays open over the graph: ${closed}`);
+    return closed;
+}
+
+/**
  * Load the UI, wait for the app, our extension and the start-up workflow, close the first-run dialogs. In result:
  * first_run (the server's Comfy.TutorialCompleted was unset), first_run_dialogs (closeFirstRunDialogs),
  * frontend_version.

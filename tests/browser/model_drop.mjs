@@ -22,7 +22,7 @@
 
 import { join } from "node:path";
 
-import { REPO, check, loadWorkflow, mark, runBrowserScript, setRenderer, waitFor } from "./common.mjs";
+import { REPO, check, closeDialogs, loadWorkflow, mark, runBrowserScript, setRenderer, waitFor } from "./common.mjs";
 
 const WORKFLOW = join(REPO, "example_workflows", "lycoris_loader.json");
 const LOADER_TYPE = "LycorisLoader";
@@ -140,25 +140,6 @@ function emptyCanvasPoint() {
         }
     }
     return { ok: false, reason: "no empty canvas on screen", rect: [rect.left, rect.top, rect.width, rect.height] };
-}
-
-/** Close the dialogs over the graph (Escape, else their close button), waiting up to `wait` ms for one to open. */
-async function closeDialogs(page, wait) {
-    const open = page.locator('[role="dialog"]:visible');
-    await open.first().waitFor({ state: "visible", timeout: wait }).catch(() => {});
-    const closed = [];
-    for (let i = 0; i < 4 && (await open.count()) > 0; i++) {
-        const dialog = open.first();
-        closed.push(((await dialog.innerText().catch(() => "")) || "").split("\n")[0].slice(0, 80));
-        await page.keyboard.press("Escape");
-        await page.waitForTimeout(300);
-        if (await dialog.isVisible().catch(() => false)) {
-            await dialog.locator('button[aria-label="Close dialog"], button:has(i.pi-times)').first().click({ timeout: 3000 });
-            await page.waitForTimeout(300);
-        }
-    }
-    check((await open.count()) === 0, `a dialog stays open over the graph: ${closed}`);
-    return closed;
 }
 
 /** Open the model library and expand its loras folder, as a user would; return the file's leaf (a locator). */

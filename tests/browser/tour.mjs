@@ -22,7 +22,9 @@
 import { readdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 
-import { CheckError, REPO, check, mark, queueAndWait, reopenUI, runBrowserScript, setRenderer, waitFor } from "./common.mjs";
+import {
+    CheckError, REPO, check, closeDialogs, mark, queueAndWait, reopenUI, runBrowserScript, setRenderer, waitFor,
+} from "./common.mjs";
 
 const EXAMPLES = join(REPO, "example_workflows");
 const LOADER_EXAMPLE = "lycoris_loader";
@@ -123,24 +125,6 @@ async function thumbnails(page) {
         );
     }
     return out;
-}
-
-/** Close every dialog over the graph (Escape, else its close button); return their titles. */
-async function closeDialogs(page) {
-    const closed = [];
-    const open = page.locator('[role="dialog"]:visible');
-    for (let i = 0; i < 4 && (await open.count()) > 0; i++) {
-        const dialog = open.first();
-        closed.push(((await dialog.innerText().catch(() => "")) || "").split("\n")[0].slice(0, 80));
-        await page.keyboard.press("Escape");
-        await page.waitForTimeout(300);
-        if (await dialog.isVisible().catch(() => false)) {
-            await dialog.locator('button[aria-label="Close dialog"], button:has(i.pi-times)').first().click({ timeout: 3000 });
-            await page.waitForTimeout(300);
-        }
-    }
-    check((await open.count()) === 0, `a dialog stays open over the graph: ${closed}`);
-    return closed;
 }
 
 /** The graph's node types (sorted) and the nodes not wholly inside the canvas's visible area. */
