@@ -23,6 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 from example_models import DEMO_FILES, DEMO_SIZE, DEMO_STEPS
+from frontends import BUNDLED, FRONTENDS
 from test_browser_panel import ARTIFACTS, BROWSER_DIR, browser_ready, run_browser_script  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.e2e
@@ -33,8 +34,15 @@ EXAMPLES = REPO_ROOT / "example_workflows"
 STRENGTH = {"classic": 0.9, "vue": 0.85}
 
 
-@pytest.mark.parametrize("renderer", ["classic", "vue"])
-def test_browser_tour(server, browser_ready, renderer):  # noqa: F811 (fixture)
+# Both renderers on the ComfyUI's own frontend; the newest frontend in the classic one (its Vue renderer runs every
+# example, the panel and the reload in test_browser_templates.py; CI's time is bounded).
+TOURS = [(frontend, renderer) for frontend in FRONTENDS for renderer in ("classic", "vue")
+         if frontend == BUNDLED or renderer == "classic"]
+
+
+@pytest.mark.parametrize(("browser_server", "renderer"), TOURS, indirect=["browser_server"])
+def test_browser_tour(browser_server, browser_ready, renderer):  # noqa: F811 (fixture)
+    server = browser_server
     demo = {"files": DEMO_FILES, "size": DEMO_SIZE, "steps": DEMO_STEPS}
     result = run_browser_script(
         SCRIPT, server, renderer, ARTIFACTS / f"browser_tour_{renderer}.png",
