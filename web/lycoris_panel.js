@@ -832,15 +832,12 @@ const DROP_OURS = "LyCORIS Loader";
 const FIRST_DROP_TYPE = "LycorisLoader"; // made by an empty-canvas drop when the setting says so
 const dropTypes = []; // the pack's node types with a lycoris_name file combo, from their definitions
 
+/** The frontend's store, or null when this frontend has none of that shape (every step is checked, nothing caught). */
 function modelToNodeStore() {
-    try {
-        const pinia = document.querySelector("#vue-app")?.__vue_app__?.config?.globalProperties?.$pinia;
-        const store = pinia?._s?.get?.("modelToNode");
-        const usable = ["quickRegister", "getAllNodeProviders"].every((f) => typeof store?.[f] === "function");
-        return usable ? store : null;
-    } catch {
-        return null;
-    }
+    const pinia = document.querySelector("#vue-app")?.__vue_app__?.config?.globalProperties?.$pinia;
+    const store = pinia?._s?.get?.("modelToNode");
+    const usable = ["quickRegister", "getAllNodeProviders"].every((f) => typeof store?.[f] === "function");
+    return usable ? store : null;
 }
 
 /**
@@ -945,8 +942,8 @@ const extension = {
         api.addEventListener("execution_cached", ({ detail }) => {
             restoreCached(detail).catch((e) => console.error("[lycoris_panel] execution_cached:", e));
         });
-        registerModelDrops();
         watchDrags();
+        registerModelDrops(); // last: a store of another shape that throws must not cost the rest of the set-up
     },
 
     async beforeRegisterNodeDef(nodeType, nodeData) {
