@@ -25,6 +25,11 @@ what they keep to the input's dtype once. The stored tensors are never modified.
 
 A layer whose weight is used without its forward gets the same changes added to its weight instead, when the
 weight is cast for use (`changed_weight`).
+
+A change of the layer's bias (a `diff_b`, PEFT's bias parts) is bypassed only where merging it would round it into
+the stored bias (the nodes decide: an fp8 bias, or one ComfyUI merges through a narrower copy): the bias changes, in order, are summed once per injection (`prepare`, reading the
+bias) and added to the output after every weight change, as a merged bias would be (output-side maps keep the
+layer's stored bias, so they never scale it).
 """
 
 from collections.abc import Callable
@@ -109,26 +114,48 @@ class Prepared:
     """The forms of one layer's contributions (None: dense path), prepared for inputs like `x`."""
 
     contributions: tuple[Contribution, ...]
-    forms: tuple[Form | None, ...]
+    forms: tuple[Form | None, ...]  # None for a bias contribution too (its change is in bias_shift)
     needs_weight: bool  # some dense contribution reads W: every forward reads it
+    bias_shift: torch.Tensor | None = None  # b' − b of the bias contributions, in the input's dtype
 
 
 def prepare(contributions: list[Contribution], op: LayerOp, shape: tuple[int, ...], x: torch.Tensor,
             weight_and_bias: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]) -> Prepared:
     """Each contribution's form. `weight_and_bias()` gives the layer's weight and bias as fp32 on x's device (the
-    weight may be the layer's own tensor: it is never modified); called once, only when some change reads W."""
-    readers = [i for i, c in enumerate(contributions) if c.reads_weight]
-    current, bias = weight_and_bias() if readers else (None, None)
+    weight may be the layer's own tensor: it is never modified); called once, only when some change reads W or
+    the bias is changed."""
+    readers = [i for i, c in enumerate(contributions) if c.reads_weight and not changes_bias(c.plan)]
+    biased = [c for c in contributions if changes_bias(c.plan)]
+    weight, bias = weight_and_bias() if readers or biased else (None, None)
+    current = weight if readers else None
+    form_bias = bias if readers else None  # what output-side maps keep; only readers have those
     private = False
     forms = []
     for i, c in enumerate(contributions):
-        forms.append(_form(c, op, shape, x, current, bias))
+        if changes_bias(c.plan):
+            forms.append(None)
+            continue
+        forms.append(_form(c, op, shape, x, current, form_bias))
         if current is not None and i < readers[-1]:  # a later reader sees this change
             if not private:
                 current, private = current.clone(), True
             c.rows_of(current).add_(_change(c, current, shape, current.device))
     dense_readers = [i for i in readers if forms[i] is None]
-    return Prepared(tuple(contributions), tuple(forms), bool(dense_readers))
+    shift = _bias_shift(biased, bias, op, x)
+    return Prepared(tuple(contributions), tuple(forms), bool(dense_readers), shift)
+
+
+def _bias_shift(biased: list[Contribution], bias: torch.Tensor | None, op: LayerOp, x: torch.Tensor
+                ) -> torch.Tensor | None:
+    """b' − b of the bias contributions in order (each reads the bias the ones before it left, as chained merges),
+    in fp32, then cast once to x's dtype, shaped to broadcast over the layer's output."""
+    if not biased or bias is None:
+        return None
+    current = bias.clone()
+    for c in biased:
+        c.rows_of(current).add_(c.change(current))
+    shift = (current - bias).reshape(-1, *op.point) if op.conv_dims else current - bias
+    return cast(shift, x.device, x.dtype)
 
 
 def _change(c: Contribution, current: torch.Tensor | None, shape: tuple[int, ...], device: torch.device
@@ -172,11 +199,14 @@ def forward(x: torch.Tensor, layer_forward: Callable[[torch.Tensor], torch.Tenso
             x0 = form.input(x0)
     inputs.reverse()
     current = weight() if prepared.needs_weight else None  # W plus the changes so far, for the dense readers
-    last_dense_reader = max((i for i, (c, f) in enumerate(zip(contributions, forms)) if f is None and c.reads_weight),
+    last_dense_reader = max((i for i, (c, f) in enumerate(zip(contributions, forms))
+                             if f is None and c.reads_weight and not changes_bias(c.plan)),
                             default=-1)
     y = layer_forward(x0)
     private = False
     for k, (c, form) in enumerate(zip(contributions, forms)):
+        if changes_bias(c.plan):
+            continue  # in prepared.bias_shift, added last
         if form is not None:
             y = _output(form, y, inputs[k], c.rows, op.channel_dim)
         else:
@@ -187,6 +217,8 @@ def forward(x: torch.Tensor, layer_forward: Callable[[torch.Tensor], torch.Tenso
                 current, private = current.clone(), True
             change = d if form is None else _change(c, current, shape, current.device)
             c.rows_of(current).add_(cast(change, current.device, current.dtype))
+    if prepared.bias_shift is not None:
+        y = y + cast(prepared.bias_shift, y.device, y.dtype)
     return y
 
 
@@ -206,7 +238,8 @@ def changed_weight(weight: torch.Tensor, contributions: list[Contribution]) -> t
     current = cast(weight, weight.device, torch.float32, copy=True)
     for c in contributions:
         rows_shape = tuple(weight.shape) if c.rows is None else (c.rows[1], *weight.shape[1:])
-        d = c.change(current) if c.reads_weight else c.change_from_factors(rows_shape, current.device)
+        reads = c.reads_weight or changes_bias(c.plan)  # a bias change may read the bias ((IA)³'s l·b)
+        d = c.change(current) if reads else c.change_from_factors(rows_shape, current.device)
         c.rows_of(current).add_(cast(d, current.device, current.dtype))
     return cast(current, weight.device, weight.dtype)
 
@@ -217,5 +250,11 @@ def reads_weight(plan: Plan) -> bool:
 
 
 def is_bypassable(plan: Plan) -> bool:
-    """Weights only: bias and norm parameters are not the weight of a linear op, so they are merged."""
+    """Weights only: bias and norm parameters are not the weight of a linear op, so they are merged (a bias change
+    may still be bypassed, see `changes_bias`)."""
     return BY_NAME[plan.algorithm].param == "weight"
+
+
+def changes_bias(plan: Plan) -> bool:
+    """A change of a layer's bias: bypassed as a shift of the layer's output (the module docstring)."""
+    return BY_NAME[plan.algorithm].param == "bias"

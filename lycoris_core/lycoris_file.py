@@ -6,11 +6,12 @@ ComfyUI does not roll back a patch that raises half-way, and clones share one mo
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
+from .algos.base import Layout
 from .errors import LycorisError, encodable
 from .keys import PEFT_MAGNITUDE, split_key
 from .module import Module, build_modules
@@ -138,6 +139,28 @@ def assumed_scale_warning(name: str, modules: list[Module]) -> str:
             f"alpha = rank (scale 1), diffusers' convention for PEFT files without one")
 
 
+def option_warnings(name: str, parts: Iterable[tuple[Module, Layout]]) -> list[str]:
+    """One warning per set of PEFT options taken at PEFT's defaults, for (module, layout) pairs: the layouts read at
+    load time (an OFT file saved without its config), or resolved against a weight (a square conv's (IA)³ side). A
+    trainer's COFT, exact Cayley or feed-forward layers would otherwise be replaced by the defaults without a word."""
+    by_options: dict[tuple[str, str], list[Module]] = {}
+    for module, layout in parts:
+        assumed = getattr(layout, "assumed", ())
+        if assumed:
+            by_options.setdefault((module.algorithm.name, ", ".join(assumed)), []).append(module)
+    return [f"{name}: {len(group)} {group[0].algorithm.label} modules (e.g. '{group[0].prefix}') carry no options and "
+            f"no PEFT config gives them (neither the file's 'lora_adapter_metadata' nor an adapter_config.json beside "
+            f"it): assumed PEFT's defaults {assumed}; if it was trained otherwise ({OTHER_OPTIONS.get(algorithm, 'other options')}), put "
+            f"its adapter_config.json beside it"
+            for (algorithm, assumed), group in by_options.items()]
+
+
+# What a trainer may have set that the defaults replace, per algorithm with options (`assumed` in its layout)
+OTHER_OPTIONS = {"peft-oft": "COFT, exact Cayley, another number of Neumann terms",
+                 "peft-oft-embedding": "COFT, exact Cayley, another number of Neumann terms",
+                 "peft-ia3": "these layers in its feedforward_modules, so their inputs are scaled"}
+
+
 def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state dict>",
                      metadata: Mapping[str, str] | None = None,
                      checked: Callable[[torch.Tensor], None] | None = None,
@@ -168,6 +191,7 @@ def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state
         raise LycorisError(f"no LyCORIS/LoRA module found among {len(state_dict)} keys "
                            f"(e.g. '{next(iter(state_dict))}'); is this an adapter file?", file=name)
     warnings = scale_warnings(name, list(modules.values()), metadata or {})
+    warnings += option_warnings(name, ((m, m.layout) for m in modules.values()))
     return LycorisFile(name, modules, unused, dict(metadata or {}), warnings)
 
 

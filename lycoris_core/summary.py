@@ -16,7 +16,7 @@ from .algos import LAYOUT_ONLY_KEYS
 from .algos.base import ShapeError
 from .errors import MAX_NAME, LycorisError, clipped
 from .keys import ALPHA, DORA_SCALE, OMI_PREFIXES
-from .lycoris_file import group_keys, metadata_json, scale_warnings, software_name
+from .lycoris_file import group_keys, metadata_json, option_warnings, scale_warnings, software_name
 from .module import Module, build_modules
 from .peft_config import PATTERN_KEYS, PeftConfig, module_name, module_options, read_config
 from .safetensors_file import SafetensorsFile
@@ -483,7 +483,8 @@ def _summarize(path, reader: SafetensorsFile) -> FileSummary:
         training={label: meta[key] for key, label in TRAINING_KEYS.items() if meta.get(key)},
         lycoris_config=lycoris_config, metadata_count=len(meta), unused_keys=unused,
         made_by=made_by(list(reader.entries), meta), alpha_from=_alpha_from(config, alpha_sources, meta),
-        warnings=_damage_warnings(damaged) + scale_warnings(reader.name, built_modules, meta), modules=modules,
+        warnings=_damage_warnings(damaged) + scale_warnings(reader.name, built_modules, meta)
+        + option_warnings(reader.name, ((m, m.layout) for m in built_modules)), modules=modules,
     )
 
 

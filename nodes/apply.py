@@ -18,6 +18,7 @@ import torch
 from ..lycoris_core import LycorisError, LycorisFile, Module, Plan
 from ..lycoris_core.block_weights import BlockWeights
 from ..lycoris_core.bypass import reads_weight
+from ..lycoris_core.lycoris_file import option_warnings
 from ..lycoris_core.summary import declared_family, family_id, infer_family
 from . import gguf, keymap
 from .adapter import LycorisAdapter
@@ -26,7 +27,9 @@ from .bypass import (
     contribution,
     injection,
     layer_name,
+    merge_dtype,
     merge_rounds,
+    narrowed_format,
     skips_forward,
     storage_format,
     wants_bypass,
@@ -194,6 +197,7 @@ def build_patches(lfile: LycorisFile, key_map: dict, shapes: dict[str, dict], re
     report.unused_keys = [(u.key, u.reason) for u in lfile.unused]
     report.warnings = list(lfile.warnings)
     patches: dict[str, dict] = {side: {} for side in shapes}
+    resolved_options = []  # options assumed only once the target's shape was known (a square conv's (IA)³ side)
     for module_key, module in lfile.modules.items():
         target = find_target(module, key_map, shapes)
         if target is None:  # e.g. PEFT's (IA)³ bias part on a layer without a bias: PEFT's merge changes nothing
@@ -211,11 +215,14 @@ def build_patches(lfile: LycorisFile, key_map: dict, shapes: dict[str, dict], re
         if reads_converted_weight(target, plan):
             report.problems.append((module_key, CONVERTED_WEIGHT))
             continue
+        if getattr(plan.layout, "assumed", ()) != getattr(module.layout, "assumed", ()):
+            resolved_options.append((module, plan.layout))
         patches[target.side][target.patch_key] = LycorisAdapter.from_module(module, plan)
         report.applied[module_key] = target.key
         report.targets[module_key] = Applied(target, plan, module)
         report.labels[plan.label] += 1
         report.params_applied += _params(module)
+    report.warnings += option_warnings(lfile.name, resolved_options)
     return patches, report
 
 
@@ -321,8 +328,10 @@ def apply_file(lfile: LycorisFile, model, clip, strength_model: float, strength_
     `block_weights` multiplies each weight's strength (through add_patches' strength_patch, so every algorithm
     scales like it does with the strength); a block weight of 0 leaves that block untouched.
     `apply_mode`: "merge" patches weights; "bypass" runs Linear/Conv adapters in the layers' forward (weights
-    untouched; biases and norm layers are still merged); "auto" bypasses only layers whose weights are not plain
-    float. `injection_key` names this node's bypass injection (unique per node, so bypass nodes stack).
+    untouched; biases and norm layers are still merged, except a change of an fp8 bias); "auto" bypasses only
+    layers whose weights are not plain float or that ComfyUI would merge through a narrower copy (fp32 under 0.33's
+    fp16 `lora_compute_dtype`), and such biases' changes. `injection_key` names this node's bypass injection
+    (unique per node, so bypass nodes stack).
     Raises LycorisError when nothing in the file fits the model/clip given.
     """
     patches, report = map_file(lfile, model, clip, reference)
@@ -401,9 +410,11 @@ def patched_clone(target, patches: dict, strength: float, weights: BlockWeights 
     before = bypassed_layers(patcher)
     # merge with no bypassed file before it: nothing can be bypassed, so skip the per-layer look-up
     modules = dict(patcher.model.named_modules()) if apply_mode != "merge" or before else {}
+    merged_in = merge_dtype(patcher)
     for weight, group in by_block_weight(patches, weights or BlockWeights()).items():
         to_bypass = {k for k, a in group.items() if modules
-                     and wants_bypass(apply_mode, modules.get(layer_name(_weight_key(k))), k, a.plan, before)}
+                     and wants_bypass(apply_mode, modules.get(layer_name(_weight_key(k))), k, a.plan, before,
+                                      merged_in)}
         bypassed += [(_weight_key(k), contribution(group[k], k, strength * weight)) for k in group if k in to_bypass]
         to_merge = {k: a for k, a in group.items() if k not in to_bypass}
         merged.update(_weight_key(k) for k in to_merge)
@@ -419,11 +430,17 @@ def patched_clone(target, patches: dict, strength: float, weights: BlockWeights 
     if report is not None:
         report.bypassed += len(bypassed)
         report.at_weight_cast += sum(skips_forward(modules[layer_name(k)]) for k, _ in bypassed)
-        report.bypassed_formats.update(f for f in (storage_format(modules[layer_name(k)].weight) for k, _ in bypassed)
-                                       if f)
+        report.bypassed_formats.update(f for f in (_bypassed_format(modules[layer_name(k)], k, merged_in)
+                                                   for k, _ in bypassed) if f)
         report.merged_rounded.update(f for f in (merge_rounds(comfy.utils.get_attr(patcher.model, k)) for k in merged)
                                      if f)
     return patched, len(bypassed)
+
+
+def _bypassed_format(layer: torch.nn.Module, key: str, merged_in: torch.dtype | None) -> str | None:
+    """How the report names a bypassed parameter's storage: its format, or the narrower dtype ComfyUI merges in."""
+    tensor = layer.bias if key.endswith(".bias") else layer.weight
+    return storage_format(tensor) or narrowed_format(tensor, merged_in)
 
 
 def _patched(target, patches: dict | None, strength: float, reference: bool, report: ApplyReport,

@@ -21,6 +21,7 @@ A layer ComfyUI uses without calling its forward (`skips_forward`) gets its entr
 
 from dataclasses import dataclass
 
+import comfy.model_management
 import comfy.ops
 import torch
 from comfy.patcher_extension import PatcherInjection
@@ -31,6 +32,7 @@ from ..lycoris_core.bypass import (
     LayerOp,
     Prepared,
     changed_weight,
+    changes_bias,
     forward,
     is_bypassable,
     prepare,
@@ -114,6 +116,27 @@ def merge_rounds(weight: torch.Tensor) -> str | None:
     weight is not: the GGUF pack applies merged patches to the decoded weight at every forward."""
     fmt = storage_format(weight)
     return None if fmt is None or gguf.is_gguf_tensor(weight) else fmt
+
+
+def merge_dtype(patcher) -> torch.dtype | None:
+    """The dtype ComfyUI patches a fully loaded weight in (0.33's `lora_compute_dtype`: fp16 on most NVIDIA GPUs),
+    or None (0.3.75 patches an fp32 copy)."""
+    dtype_of = getattr(comfy.model_management, "lora_compute_dtype", None)
+    return dtype_of(patcher.load_device) if dtype_of is not None else None
+
+
+def merge_narrows(tensor: torch.Tensor, dtype: torch.dtype | None) -> bool:
+    """ComfyUI would merge into this plain float tensor through a narrower copy (0.33 rounds an fp32 W to fp16
+    before any adapter runs), so the merge is off by that rounding. GGUF tensors are patched by the GGUF pack."""
+    return (dtype is not None and is_plain_float(tensor) and not gguf.is_gguf_tensor(tensor)
+            and dtype.itemsize < _data(tensor).dtype.itemsize)
+
+
+def narrowed_format(tensor: torch.Tensor, dtype: torch.dtype | None) -> str | None:
+    """What the report says of a plain float tensor bypassed because ComfyUI would merge it narrower."""
+    if not merge_narrows(tensor, dtype):
+        return None
+    return f"{_dtype_format(_data(tensor).dtype)} merged by ComfyUI in {_dtype_format(dtype)}"
 
 
 def is_comfy_op(layer: torch.nn.Module) -> bool:
@@ -365,19 +388,20 @@ def bypassed_layers(patcher) -> BypassedBefore:
 
 
 def wants_bypass(mode: str, layer: torch.nn.Module | None, patch_key, plan,
-                 bypassed_before: BypassedBefore = BypassedBefore()) -> bool:
+                 bypassed_before: BypassedBefore = BypassedBefore(), merged_in: torch.dtype | None = None) -> bool:
     """Whether this target is bypassed: in bypass mode, every Linear/Conv weight (whole or a row slice of a fused
     weight); in auto, those a merge could not patch exactly (`merge_is_exact`: fp8, ComfyUI's quantized layouts,
     tensor types we do not know); in merge, none, except where a merge would break the workflow's order on a layer
     an earlier file bypasses: a change that reads W, merged, would not see that file's change (the weight does not
     hold it), and any change merged after a bypassed change that reads W would be in the W it reads, i.e. applied
-    before it. Those run after it in the forward instead, as chained merges would order them."""
+    before it. Those run after it in the forward instead, as chained merges would order them. `merged_in`: the dtype
+    ComfyUI merges in (`merge_dtype`); auto also bypasses a float weight it would merge through a narrower copy."""
     key = patch_key if isinstance(patch_key, str) else patch_key[0]
-    if not is_bypassable(plan) or not key.endswith(".weight"):
+    if not _output_rows_only(patch_key) or layer_op(layer) is None:
         return False
-    if not isinstance(patch_key, str) and (len(patch_key) > 2 or patch_key[1] is None or patch_key[1][0] != 0):
-        return False  # only output-row slices map onto output channels; a convert function needs the weight
-    if layer_op(layer) is None:
+    if changes_bias(plan) and key.endswith(".bias"):
+        return wants_bias_bypass(mode, layer, key, bypassed_before, merged_in)
+    if not is_bypassable(plan) or not key.endswith(".weight"):
         return False
     if reads_weight(plan):
         if not is_readable(layer.weight):
@@ -386,7 +410,27 @@ def wants_bypass(mode: str, layer: torch.nn.Module | None, patch_key, plan,
             return True
     if key in bypassed_before.readers:
         return True
-    return mode == "bypass" or (mode == "auto" and not merge_is_exact(layer.weight))
+    return mode == "bypass" or (mode == "auto" and (not merge_is_exact(layer.weight)
+                                                    or merge_narrows(layer.weight, merged_in)))
+
+
+def _output_rows_only(patch_key) -> bool:
+    """The whole parameter, or a slice of its output rows: those map onto output channels; a convert function needs
+    the parameter itself."""
+    return isinstance(patch_key, str) or (len(patch_key) == 2 and patch_key[1] is not None and patch_key[1][0] == 0)
+
+
+def wants_bias_bypass(mode: str, layer: torch.nn.Module, key: str, bypassed_before: BypassedBefore,
+                      merged_in: torch.dtype | None = None) -> bool:
+    """A bias change runs in the forward (added to the output) in bypass and auto where a merge would round it into
+    the stored bias (fp8, or fp32 merged through ComfyUI's fp16 copy), as the weight changes there do; else it is
+    merged, exactly. After a bias change an earlier file bypassed on this layer, it runs in the forward too, so the
+    order holds."""
+    if skips_forward(layer) or getattr(layer, "bias", None) is None:
+        return False  # a layer used without its forward only takes weight changes
+    if key in bypassed_before.layers:
+        return True
+    return mode != "merge" and (merge_rounds(layer.bias) is not None or merge_narrows(layer.bias, merged_in))
 
 
 def contribution(adapter, patch_key, strength: float) -> Contribution:

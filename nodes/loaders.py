@@ -58,12 +58,14 @@ APPLY_MODE_TOOLTIP = (
     "'auto' (default) bypasses the layers a merge would re-round: fp8 and quantized (ComfyUI's scaled fp8 and "
     "comfy_quant layers), so the change is added in full precision and the result is the file as trained "
     "(measured on an fp8 model: about 1.1x the time of a step for LoRA/LoCon, 2x for DoRA); it merges every other "
-    "layer exactly as 'merge' does, GGUF included (the GGUF pack patches the decoded weight, so that is exact). "
+    "layer as 'merge' does (an fp32 layer is bypassed too where ComfyUI would merge it through an fp16 copy), "
+    "GGUF included (the GGUF pack patches the decoded weight, so that is exact). "
     "'merge' patches the weights: no cost per step, but on an fp8 or quantized layer ComfyUI rounds W+dW back to "
     "the stored format, which loses part of the change (6-50% measured, by format). 'bypass' leaves every "
     "Linear/Conv weight untouched and adds the adapter in the layer's forward: a strength change re-patches "
     "nothing. Bypassed changes cost time at every step and are not in the weights: use 'merge' for a model you "
-    "save. Biases and norm layers are always merged."
+    "save. Biases and norm layers are merged, except an fp8 bias in 'bypass' and 'auto': its change is added in "
+    "the forward too."
 )
 
 

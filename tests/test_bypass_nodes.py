@@ -15,16 +15,20 @@ file here, so RTOL = 1e-5 is a 20x margin; every file changes the sample by 5e-2
 > 1e-2), so an adapter missing, doubled, at the wrong strength or on the wrong layer cannot pass.
 """
 
+import contextlib
 import json
 
 import comfy.model_management
 import comfy.model_patcher
 import comfy.ops
 import comfy.sd
+import comfy.utils
 import pytest
 import test_nodes
 import torch
 from comfy.quant_ops import QuantizedTensor
+from lycoris_nodes.lycoris_core import parse_state_dict
+from lycoris_nodes.lycoris_core.bypass import Contribution, LayerOp, layer_output
 from lycoris_nodes.nodes import loaders
 from lycoris_nodes.nodes.apply import patched_clone
 from lycoris_nodes.nodes.bypass import BypassLayer
@@ -218,7 +222,7 @@ def file_kinds(msd) -> dict[str, dict[str, torch.Tensor]]:
         "locon": {**lora(TO_Q, 320, 320, seed=1, alpha=4.0), **conv_lora(CONV3, 320, 320, seed=3),
                   **lora(OUT_SKIP, 320, 640, seed=5, kernel=(1, 1)),
                   **conv_lora(MID_CONV, 320, 320, seed=7, tucker=True), **te_lora(9)},
-        # LoHa on Linear and 3×3 conv, plus a full diff with a bias diff (the bias is always merged)
+        # LoHa on Linear and 3×3 conv, plus a full diff with a bias diff (a float bias is merged in every mode)
         "loha": {**loha(TO_Q, 320, 320, seed=11), **loha(CONV3, 320, 320 * 9, seed=15),
                  **loha(OUT_V, 320, 768, seed=19),
                  f"{PROJ_OUT}.diff": rand(320, 320, 1, 1, seed=23, s=0.01),
@@ -522,6 +526,100 @@ def test_auto_bypasses_fp8_layers_and_equals_merge_into_a_float_copy(fp8_models,
     assert out.ui["lycoris"][0]["bypassed"] == 0 and len(out.result[0].patches) == n and not out.result[0].injections
 
 
+# PEFT's names (save_pretrained) of output_blocks.1.1's proj_out (1×1 conv) and attn1.to_out.0 (Linear)
+PEFT_PROJ_OUT = "base_model.model.up_blocks.0.attentions.1.proj_out"
+PEFT_TO_OUT = "base_model.model.up_blocks.0.attentions.1.transformer_blocks.0.attn1.to_out.0"
+TO_OUT_KEY = "diffusion_model.output_blocks.1.1.transformer_blocks.0.attn1.to_out.0.weight"
+
+
+def fp8_bias_file(kind: str) -> dict[str, torch.Tensor]:
+    """Bias changes on a 1×1 conv and a Linear that have biases: full diffs with bias diffs, or PEFT's (IA)³ (its
+    merge scales the bias too, b' = l·b)."""
+    if kind == "full":
+        return {f"{PROJ_OUT}.diff": rand(320, 320, 1, 1, seed=61, s=0.01), f"{PROJ_OUT}.diff_b": rand(320, seed=62),
+                f"{MID_FF}.diff": rand(320, 1280, seed=63, s=0.005), f"{MID_FF}.diff_b": rand(320, seed=64)}
+    return {f"{PEFT_PROJ_OUT}.ia3_l": 1 + rand(1, 320, 1, 1, seed=65, s=0.3),
+            f"{PEFT_TO_OUT}.ia3_l": 1 + rand(320, 1, seed=66, s=0.3)}
+
+
+@pytest.mark.parametrize("kind", ["full", "peft-ia3"])
+@pytest.mark.parametrize("mode", ["bypass", "auto"])
+def test_bias_changes_on_fp8_are_added_at_run_time_in_bypass_and_auto(mode, kind, fp8_models, loras, conds):
+    """A merge rounds b + Δb into the fp8 bias; bypass and auto add Δb at run time as they add the weight change, so
+    the fp8 model computes what the same file merged into its float32 copy computes, and its biases stay as stored."""
+    fp8, f32 = fp8_models
+    name = write(loras, f"fp8_bias_{kind}.safetensors", fp8_bias_file(kind))
+    with random_biases(fp8, f32, [UKEYS[PROJ_OUT], UKEYS[MID_FF], TO_OUT_KEY]):
+        check_fp8_bias_file(mode, name, fp8, f32, conds)
+
+
+@contextlib.contextmanager
+def random_biases(fp8, f32, weight_keys: list[str]):
+    """Non-zero biases for these layers (the tiny checkpoint's are zero, which (IA)³'s l·b would leave as they
+    are), the same fp8 values in both models, written in place (unloaded); the stored ones are put back after."""
+    comfy.model_management.unload_all_models()
+    params = [(comfy.utils.get_attr(fp8.model, k), comfy.utils.get_attr(f32.model, k))
+              for k in (key.removesuffix("weight") + "bias" for key in weight_keys)]
+    before = [(a.detach().clone(), b.detach().clone()) for a, b in params]
+    try:
+        for i, (in_fp8, in_f32) in enumerate(params):
+            value = rand(in_fp8.shape[0], seed=70 + i, s=0.5).to(torch.float8_e4m3fn)
+            in_fp8.data.copy_(value)
+            in_f32.data.copy_(value.to(torch.float32))
+        yield
+    finally:
+        comfy.model_management.unload_all_models()
+        for (in_fp8, in_f32), (old_fp8, old_f32) in zip(params, before):
+            in_fp8.data.copy_(old_fp8)
+            in_f32.data.copy_(old_f32)
+
+
+def check_fp8_bias_file(mode: str, name: str, fp8, f32, conds) -> None:
+    saved = snapshot(fp8.model)
+    base = sample(fp8, conds)
+    (patched,) = execute(LycorisLoaderModelOnly, model=fp8, lycoris_name=name, strength_model=0.75,
+                         apply_mode=mode).result
+    got = sample(patched, conds)
+    truth = sample(loader(f32, None, name, 0.75, mode="merge")[0], conds)
+    assert_matches(got, truth, base, f"{mode} on fp8 vs merge into float")
+    assert patched.patches == {}  # nothing merged: the weight diffs too run in the forward
+    sample(patched, conds)
+    assert changed_keys(fp8.model, saved) == set()  # while loaded: the fp8 weights and biases are bit-identical
+    comfy.model_management.unload_all_models()
+    assert_no_bypass_left(fp8.model)
+    assert changed_keys(fp8.model, saved) == set()
+
+
+def test_bias_changes_in_the_forward_equal_the_merged_layer_in_order():
+    """lycoris_core.bypass with bias contributions on a 3×3 conv, chained like merges: PEFT's (IA)³ (W and b scaled
+    per output channel, b' = l·b, read from the bias), then a full diff with its bias diff on rows 2…5 (a fused
+    weight's slice). Truth: the float64 conv with W and b changed by hand."""
+    gen = torch.Generator().manual_seed(7)
+    weight, bias, x = (torch.randn(8, 8, 3, 3, generator=gen) * 0.2, torch.randn(8, generator=gen),
+                       torch.randn(2, 8, 5, 5, generator=gen))
+    scales, diff, diff_b = torch.rand(8, generator=gen) + 0.5, torch.randn(4, 8, 3, 3, generator=gen) * 0.05, \
+        torch.randn(4, generator=gen)
+    modules = parse_state_dict({"base_model.model.conv.ia3_l": scales.reshape(1, 8, 1, 1),
+                                "lora_unet_x.diff": diff, "lora_unet_x.diff_b": diff_b}, "chain.safetensors").modules
+    m, m2 = 0.7, -1.3
+
+    def part(key, shape, strength, rows=None):
+        return Contribution(modules[key].plan_for(shape), modules[key].tensors, strength, rows)
+
+    chain = [part("base_model.model.conv.weight", (8, 8, 3, 3), m), part("base_model.model.conv.bias", (8,), m),
+             part("lora_unet_x.weight", (4, 8, 3, 3), m2, (2, 4)), part("lora_unet_x.bias", (4,), m2, (2, 4))]
+    op = LayerOp(2, (1, 1), (1, 1), (1, 1))
+    y = layer_output(x, lambda xi: torch.nn.functional.conv2d(xi, weight, bias, padding=1), op, chain, weight, bias)
+
+    factor = (1 + m * (scales.double() - 1))
+    w_truth, b_truth = weight.double() * factor.reshape(8, 1, 1, 1), bias.double() * factor
+    w_truth[2:6] += m2 * diff.double()
+    b_truth[2:6] += m2 * diff_b.double()
+    truth = torch.nn.functional.conv2d(x.double(), w_truth, b_truth, padding=1)
+    base = torch.nn.functional.conv2d(x.double(), weight.double(), bias.double(), padding=1)
+    assert rel(y, truth) <= RTOL * rel(truth, base) and rel(truth, base) > MIN_CHANGE
+
+
 def quantized_net(seed=0):
     """ComfyUI's fp8 layer kinds in one model: `q` a mixed-precision Linear holding a QuantizedTensor
     (float8_e4m3fn layout with a weight scale), `s` a scaled-fp8 Linear (fp8 weight × scale_weight), `f` a plain
@@ -596,6 +694,53 @@ def test_auto_bypasses_quantized_and_scaled_fp8_layers_and_merges_the_float_one(
     assert all(torch.equal(bits(fp8_storage(getattr(net, n))[0]), stored[n]) for n in stored)
     for name in key_map:
         assert_matches(got[name], truth[name], base[name], f"layer {name}")
+
+
+def fp32_net(seed=3):
+    """Two fp32 Linear layers of ComfyUI's ops, with biases: `a` for a LoHa, `b` for a full diff with a bias diff."""
+    gen = torch.Generator().manual_seed(seed)
+    net = torch.nn.Module()
+    for name in ("a", "b"):
+        layer = comfy.ops.disable_weight_init.Linear(12, 16)
+        set_param(layer, "weight", torch.randn(16, 12, generator=gen) * 0.3, torch.float32)
+        set_param(layer, "bias", torch.randn(16, generator=gen) * 0.1, torch.float32)
+        net.add_module(name, layer)
+    return net.requires_grad_(False)
+
+
+@pytest.mark.skipif(not hasattr(comfy.model_management, "lora_compute_dtype"),
+                    reason="0.3.75 merges through an fp32 copy")
+def test_auto_bypasses_fp32_layers_comfy_would_merge_through_fp16(monkeypatch):
+    """ComfyUI 0.33 merges a fully loaded weight through a copy in lora_compute_dtype (fp16 on most NVIDIA GPUs), so
+    an fp32 W is rounded to fp16 before any adapter runs. Auto then adds the change at run time (weights and bias
+    diffs), says so in the report, and each layer computes what the fp32-copy merge computes."""
+    variants = hand_variants()
+    sd = {**{k.replace("lin.", "a.", 1): v for k, v in variants["loha"].items()},
+          **{k.replace("lin.", "b.", 1): v for k, v in variants["full"].items()}}
+    key_map = {name: f"{name}.weight" for name in ("a", "b")}
+    x = inputs("lin")
+    ref = fp32_net()
+    base = {name: getattr(ref, name)(x) for name in key_map}
+    ref_mp = patcher(ref)  # the truth: ComfyUI's merge through an fp32 copy (this CPU's lora_compute_dtype)
+    ref_mp.add_patches(lycoris_patches(sd, ref, key_map)[0], 0.7)
+    full_load(ref_mp)
+    truth = {name: getattr(ref, name)(x) for name in key_map}
+    ref_mp.unpatch_model(CPU)
+
+    monkeypatch.setattr(comfy.model_management, "lora_compute_dtype", lambda device: torch.float16)
+    net = fp32_net()
+    patches, report = lycoris_patches(sd, net, key_map)
+    patched, n_bypassed = patched_clone(patcher(net), patches, 0.7, apply_mode="auto", key="lycoris:fp32", report=report)
+    full_load(patched)
+    try:
+        got = {name: getattr(net, name)(x) for name in key_map}
+    finally:
+        patched.unpatch_model(CPU)
+    assert_no_bypass_left(net)
+    for name in key_map:
+        assert_matches(got[name], truth[name], base[name], f"layer {name}")
+    assert n_bypassed == 3 and patched.patches == {}  # a.weight, b.weight and b.bias
+    assert report.bypassed_formats == {"float32 merged by ComfyUI in float16": 3}
 
 
 # --- 5. offloaded, and on another device than the adapter ------------------------------------------------------------

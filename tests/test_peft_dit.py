@@ -149,7 +149,8 @@ CASES = ([(kind, fmt) for kind in ("lora", "lora-patterns", "dora")
           for fmt in ("save_lora_weights", "save_lora_weights+metadata", "save_pretrained")
           if not (kind == "lora-patterns" and fmt == "save_lora_weights")]  # patterns live only in the config
          + [("lora-bias", "save_lora_weights+metadata"), ("lora-bias", "save_pretrained")]
-         + [(kind, "save_pretrained") for kind in ("loha", "lokr", "oft", "boft", "ia3")])
+         + [(kind, "save_pretrained") for kind in ("loha", "lokr", "oft", "boft", "ia3")]
+         + [("ia3", "save_lora_weights")])
 ADDITIVE = {"lora", "lora-patterns", "lora-bias", "loha", "lokr"}  # also on the converted norm_out.linear
 WITHOUT_ALPHA = {("lora", "save_lora_weights"), ("dora", "save_lora_weights")}
 

@@ -19,6 +19,7 @@ from lycoris_nodes.lycoris_core.algos import option_entries
 from lycoris_nodes.lycoris_core.bypass import Contribution, LayerOp, layer_output
 from lycoris_nodes.lycoris_core.keys import split_key
 from lycoris_nodes.lycoris_core.module import detect
+from lycoris_nodes.lycoris_core.summary import summarize
 from safetensors.torch import save_file
 from torch import nn
 
@@ -226,6 +227,23 @@ def test_square_conv_ia3_without_config_assumes_output_side():
     assert conv.layout.axis == 1
 
 
+def test_square_conv_ia3_side_assumed_at_apply_time_is_said():
+    """The square conv's side is only decided against the model's weight, so the loader's report (logged, and shown
+    in the panel) says it, once per file; the Linear and the non-square conv, whose shapes tell, are not named, and
+    with the config nothing is said."""
+    from patcher_util import lycoris_patches
+
+    _, state, truth = make_adapter("ia3-feedforward")
+    net = _comfy_net({name: weight for name, (weight, _) in truth.items()})
+    key_map = {f"{PREFIX}{name}": f"{name}.weight" for name in truth}
+    _, report = lycoris_patches(state, net, key_map, name="bare.safetensors")
+    (warning,) = report.warnings
+    assert warning.startswith("bare.safetensors: 1 (IA)³ (PEFT) modules (e.g. 'base_model.model.square')")
+    assert "is_feedforward=False" in warning and "feedforward_modules" in warning
+    _, told = lycoris_patches(_with_options(state, "ia3-feedforward"), net, key_map)
+    assert told.warnings == [] and len(told.applied) == len(report.applied)
+
+
 def test_oft_options_missing_from_the_file_are_listed():
     _, state, _ = make_adapter("oft-neumann-default")
     module = parse_state_dict(state, "bare").modules[f"{PREFIX}lin.weight"]
@@ -233,6 +251,28 @@ def test_oft_options_missing_from_the_file_are_listed():
                                           "eps=6e-05", "series_before_0_18=False"}
     told = parse_state_dict(_with_options(state, "oft-neumann-default"), "told").modules[f"{PREFIX}lin.weight"]
     assert told.layout.assumed == ()
+
+
+@pytest.mark.parametrize("variant_id", ["oft-coft", "oft-exact-cayley"])
+def test_oft_file_without_its_config_says_which_options_it_assumed(tmp_path, variant_id):
+    """Saved without its config (as diffusers' save_lora_weights without metadata writes it), a trainer's COFT or
+    exact Cayley is not in the file: PEFT's defaults are applied, which is not PEFT's merge of this adapter, so the
+    file says which options it assumed: one warning in the loaded file (the loader logs it, the report and the panel
+    show it) and in the Info summary. With the config beside it, no warning."""
+    _, state, truth = make_adapter(variant_id)
+    (tmp_path / "bare").mkdir()
+    path = tmp_path / "bare" / f"{variant_id}.safetensors"
+    save_file(state, str(path))
+    lfile = load(path)
+    weight, change = truth["lin"]
+    plan = lfile.modules[f"{PREFIX}lin.weight"].plan_for(tuple(weight.shape))
+    assert _relative_error(apply(plan, lfile.modules[f"{PREFIX}lin.weight"].tensors, weight.clone(), 1.0) - weight,
+                           change) > 100 * TOLERANCE  # the defaults are not what the trainer used
+    (warning,) = lfile.warnings
+    assert "3 OFT (PEFT) modules" in warning and "use_cayley_neumann=True" in warning and "coft=False" in warning
+    assert summarize(path).warnings == lfile.warnings
+    with_config, _, _ = save_metadata_file(variant_id, tmp_path)
+    assert load(with_config).warnings == [] and summarize(with_config).warnings == []
 
 
 def test_shapes_that_do_not_fit_are_refused_at_plan_time():
