@@ -116,7 +116,7 @@ class Prepared:
     contributions: tuple[Contribution, ...]
     forms: tuple[Form | None, ...]  # None for a bias contribution too (its change is in bias_shift)
     needs_weight: bool  # some dense contribution reads W: every forward reads it
-    bias_shift: torch.Tensor | None = None  # b' − b of the bias contributions, in the input's dtype
+    bias_shift: torch.Tensor | None = None  # b' - b of the bias contributions, in the input's dtype
 
 
 def prepare(contributions: list[Contribution], op: LayerOp, shape: tuple[int, ...], x: torch.Tensor,
