@@ -4,7 +4,19 @@ import sys
 
 from comfy_api.latest import ComfyExtension, io
 
-from .nodes import info, loaders, routes, schedule, stack, tool_convert, tool_extract, tool_resize, tool_save, weighting
+from .nodes import (
+    everywhere,
+    info,
+    loaders,
+    routes,
+    schedule,
+    stack,
+    tool_convert,
+    tool_extract,
+    tool_resize,
+    tool_save,
+    weighting,
+)
 from .nodes.tools_common import sweep_leftovers
 
 WEB_DIRECTORY = "./web"
@@ -12,6 +24,10 @@ WEB_DIRECTORY = "./web"
 # What tool writes killed mid-way (kill -9, a crash, a power cut) left in the loras folders goes at start-up; files
 # that cannot be removed are logged, never raised into ComfyUI's start-up.
 sweep_leftovers()
+
+# ComfyUI's LoRA loading functions, wrapped: they do what they did until the "exact everywhere" switch is turned on
+# (nodes/everywhere.py).
+everywhere.install()
 
 # ComfyUI's server is running before custom nodes load. Imported as a library (tests, scripts) there is none, and
 # importing server.py just to find that out would pull in the whole frontend stack.

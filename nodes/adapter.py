@@ -8,7 +8,7 @@ needs lives in `weights`: the immutable `Plan` first, then the tensors in `plan.
 import torch
 from comfy.weight_adapter.base import WeightAdapterBase
 
-from ..lycoris_core import Module, Plan, apply
+from ..lycoris_core import LycorisError, Module, Plan, apply
 
 
 class LycorisAdapter(WeightAdapterBase):
@@ -16,7 +16,27 @@ class LycorisAdapter(WeightAdapterBase):
 
     def __init__(self, loaded_keys: set[str], weights: tuple):
         self.loaded_keys = loaded_keys
-        self.weights = weights
+        self._weights = weights
+
+    @property
+    def weights(self) -> tuple:
+        return self._weights
+
+    @weights.setter
+    def weights(self, weights: tuple) -> None:
+        """The same plan and tensors of the same shapes (e.g. moved to another device), or an error: a loader that
+        edits ComfyUI's own adapters in place (KJNodes' block LoRA loaders set `weights[2]` as the LoRA alpha) would
+        otherwise break this patch only when it is computed, half-way through patching a model."""
+        ours = self._weights
+        same = (isinstance(weights, tuple) and len(weights) == len(ours) and weights[0] is ours[0]
+                and all(isinstance(t, torch.Tensor) and t.shape == o.shape for t, o in zip(weights[1:], ours[1:])))
+        if not same:
+            raise LycorisError(
+                "a loader changed this pack's patch in place, as it would change ComfyUI's own LoRA adapter (e.g. "
+                "KJNodes' block LoRA loaders setting alpha per block); with 'Apply every LoRA loader's files with "
+                "LyCORIS Nodes' on that loader cannot work: switch the setting off for it, or weight blocks with "
+                "LyCORIS Block Weights", key=min(self.loaded_keys, default=None))
+        self._weights = weights
 
     @classmethod
     def from_module(cls, module: Module, plan: Plan) -> "LycorisAdapter":

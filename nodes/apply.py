@@ -11,7 +11,6 @@ import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
-import comfy.lora
 import comfy.utils
 import torch
 
@@ -273,8 +272,7 @@ def lora_key_map(module, is_clip: bool) -> dict:
     """ComfyUI's own map from file prefixes to this model's weight keys (model_lora_keys_unet / _clip), plus the
     diffusers/PEFT names it lacks (derived from ComfyUI's own converters, see keymap.py)."""
     if module not in _key_maps:
-        build = comfy.lora.model_lora_keys_clip if is_clip else comfy.lora.model_lora_keys_unet
-        _key_maps[module] = keymap.extend(module, build(module, {}), is_clip)
+        _key_maps[module] = keymap.extend(module, keymap.COMFY_BUILDERS[is_clip](module, {}), is_clip)
     return _key_maps[module]
 
 

@@ -19,9 +19,14 @@ import json
 import re
 from pathlib import Path
 
+import comfy.lora
 import comfy.utils
 
 from . import gguf
+
+# ComfyUI's own key-map builders, as they were when the pack was imported: everywhere.py wraps the module's
+# attributes later, and its wrappers call into this module (through apply.lora_key_map) for the extra names.
+COMFY_BUILDERS = {False: comfy.lora.model_lora_keys_unet, True: comfy.lora.model_lora_keys_clip}
 
 UNET_PREFIXES = ("", "unet.", "base_model.model.", "unet.base_model.model.")
 DIT_PREFIXES = ("", "transformer.", "base_model.model.")

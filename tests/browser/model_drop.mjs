@@ -17,6 +17,9 @@
 //     LoraLoader is added with lora_name = the file (the core drop unchanged).
 // (c) canvas_lycoris: the same after the setting is set to "LyCORIS Loader": a LycorisLoader is added with
 //     lycoris_name = the file. The setting is set back to its default at the end, whatever happened.
+// (d) everywhere_setting: the pack's other setting, LycorisNodes.ExactEverywhere (off by default), switched on and
+//     off again as the settings dialog does: the server stores each value, and each switch sends one POST /free (the
+//     loaders' kept outputs are dropped, so the next queue loads every LoRA the new way).
 // Each case's outcome is in the JSON line (result.cases); every case runs, and the failures are reported together.
 // Exit 0 = all checks passed, 1 = a check failed, 2 = bad usage.
 
@@ -36,6 +39,7 @@ const EXPECT_TEXT = "LoHa";
 const SETTING = "LycorisNodes.ModelLibrary.DropOnCanvas";
 const SETTING_DEFAULT = "ComfyUI's Load LoRA";
 const SETTING_OURS = "LyCORIS Loader";
+const EVERYWHERE = "LycorisNodes.ExactEverywhere";
 
 // The sidebar button: 1.32.9 and 1.49.6 mark it with the class "<tab id>-tab-button", 1.58.1 with a data-testid.
 const LIBRARY_BUTTON = '[data-testid="model-library-tab-button"], .model-library-tab-button';
@@ -293,6 +297,41 @@ async function ontoCanvas(page, leaf, name, type, widget) {
     return out;
 }
 
+/** (d) the exact-everywhere switch, on then off: what the server stores, and the /free requests it sends. */
+async function everywhereSetting(page) {
+    const out = { case: "everywhere_setting", problems: [] };
+    const frees = [];
+    const onRequest = (r) => {
+        if (new URL(r.url()).pathname.endsWith("/free") && r.method() === "POST") frees.push(r.postData());
+    };
+    const stored = () =>
+        page.evaluate(async (id) => (await window.comfyAPI.api.api.fetchApi(`/settings/${id}`)).json(), EVERYWHERE);
+    page.on("request", onRequest);
+    try {
+        out.default = await page.evaluate((id) => window.comfyAPI.app.app.extensionManager.setting.get(id), EVERYWHERE);
+        for (const value of [true, false]) {
+            const before = frees.length;
+            await page.evaluate(([id, v]) => window.comfyAPI.app.app.extensionManager.setting.set(id, v), [EVERYWHERE, value]);
+            const deadline = Date.now() + 5000;
+            while (frees.length === before && Date.now() < deadline) await page.waitForTimeout(50);
+            out[`stored_${value}`] = await stored();
+            out[`frees_${value}`] = frees.length - before;
+        }
+    } finally {
+        page.off("request", onRequest);
+        await page
+            .evaluate(([id]) => window.comfyAPI.app.app.extensionManager.setting.set(id, false), [EVERYWHERE])
+            .catch(() => {});
+    }
+    out.free_bodies = frees;
+    if (out.default !== false) out.problems.push(`its default is ${out.default}, not false`);
+    for (const value of [true, false]) {
+        if (out[`stored_${value}`] !== value) out.problems.push(`switched to ${value}, the server stores ${out[`stored_${value}`]}`);
+        if (out[`frees_${value}`] !== 1) out.problems.push(`switched to ${value}: ${out[`frees_${value}`]} POST /free, not 1`);
+    }
+    return out;
+}
+
 async function checks({ page, result, workflow }) {
     await setRenderer(page);
     await setSetting(page, SETTING_DEFAULT); // a run stopped half-way may have left it set
@@ -327,6 +366,8 @@ async function checks({ page, result, workflow }) {
         await page.waitForTimeout(200);
         result.cases.canvas_lycoris = await ontoCanvas(page, leaf, "canvas_lycoris", LOADER_TYPE, NAME_WIDGET);
         mark("canvas_lycoris");
+        result.cases.everywhere_setting = await everywhereSetting(page);
+        mark("everywhere_setting");
     } finally {
         await setSetting(page, SETTING_DEFAULT).catch(() => {});
         // Close the library (its button toggles it), so the screenshots show the nodes.

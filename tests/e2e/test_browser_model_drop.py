@@ -12,10 +12,13 @@ drags the demo LoHa's leaf with the real mouse (down on the leaf, moves in steps
   LoRA is added with the file (the core drop is unchanged by the pack).
 - canvas_lycoris: the same with the setting at "LyCORIS Loader": a LyCORIS Loader is added with the file. The script
   sets the setting back to its default at the end.
+- everywhere_setting: LycorisNodes.ExactEverywhere, off by default, switched on and off as the settings dialog does:
+  the server stores each value, and each switch sends one POST /free (the server then loads every LoRA again).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -46,7 +49,7 @@ def test_browser_model_drop(browser_server, browser_ready, renderer):  # noqa: F
         SCRIPT, browser_server, renderer, ARTIFACTS / f"browser_model_drop_{renderer}.png", LORA=lora,
     )
     cases = result["cases"]
-    assert sorted(cases) == ["canvas_default", "canvas_lycoris", "onto_node"]
+    assert sorted(cases) == ["canvas_default", "canvas_lycoris", "everywhere_setting", "onto_node"]
 
     onto = cases["onto_node"]
     if renderer == "vue" and result["vue_node_drop_target"] is False:
@@ -64,3 +67,7 @@ def test_browser_model_drop(browser_server, browser_ready, renderer):  # noqa: F
     added_one(cases["canvas_default"], "LoraLoader", "lora_name", lora)
     added_one(cases["canvas_lycoris"], "LycorisLoader", "lycoris_name", lora)
     assert result["setting_after"] == SETTING_DEFAULT
+    switch = cases["everywhere_setting"]
+    assert switch["problems"] == [], switch
+    assert switch["default"] is False and switch["stored_true"] is True and switch["stored_false"] is False
+    assert [json.loads(body) for body in switch["free_bodies"]] == [{"unload_models": True, "free_memory": True}] * 2
