@@ -70,8 +70,9 @@ export function nodeRects() {
     return { rects, overlaps, scale: canvas.ds.scale };
 }
 
-/** The whole graph in view, as the frontend's "fit view" does. */
-async function fitView(page) {
+/** The whole graph in view, as the frontend's "fit view" does. `settle`: wait for the DOM widgets and Vue nodes to
+ * follow the canvas (not needed before settledRects, which waits for the rectangles to stop changing). */
+async function fitView(page, settle = false) {
     await page.evaluate(() => {
         const app = window.comfyAPI.app.app;
         const nodes = app.graph.nodes;
@@ -89,7 +90,7 @@ async function fitView(page) {
         ds.offset[1] = pad / ds.scale - y0;
         app.canvas.setDirty(true, true);
     });
-    await page.waitForTimeout(400); // DOM widgets and Vue nodes follow the canvas on the next frames
+    if (settle) await page.waitForTimeout(400); // DOM widgets and Vue nodes follow the canvas on the next frames
 }
 
 /** Poll nodeRects until it is the same for SETTLE_MS (panels fill and nodes grow over a few frames after a run). */
@@ -140,7 +141,7 @@ await runBrowserScript({
             mark(`ran_${name}`);
             await fitView(page);
             const after = await settledRects(page);
-            await fitView(page); // the grown graph in view for the picture
+            await fitView(page, true); // the grown graph in view for the picture
             await page.mouse.move(5, 995);
             await page.screenshot({ path: join(SHOTS, `${name}.png`) });
             result.examples[name] = { before: before.overlaps, after: after.overlaps, rects: after.rects };
