@@ -405,3 +405,29 @@ def test_a_file_for_another_model_is_a_warning_that_says_so(sd15, loras, caplog)
         patched, _ = comfy_nodes.LoraLoader().load_lora(model, clip, name, 1.0, 1.0)
     assert patched.patches == {}
     assert f"LyCORIS (everywhere) {name}: 0/1 modules applied. This file looks made for" in caplog.text
+
+
+def test_merging_and_saving_a_core_loaded_model(sd15, loras, lycoris_files, tmp_path):
+    """ModelMergeSimple with the LoRA'd model as model2 (its patches travel through get_key_patches) and Save
+    Checkpoint (weights patched for saving): switched on, the same tensors as with our loader's model, bit for bit."""
+    from comfy_extras.nodes_model_merging import ModelMergeSimple
+    from safetensors.torch import load_file
+
+    model, clip = sd15
+    name = install(lycoris_files["locon_dora"], loras)
+    with switched(True):
+        core = core_model_only(model, name)
+    ours = our_merge(model, name)
+    (core_mix,) = ModelMergeSimple().merge(model, core, 0.6)
+    (ours_mix,) = ModelMergeSimple().merge(model, ours, 0.6)
+    assert_same_weights(core_mix, ours_mix, "ModelMergeSimple(base, LoRA'd model, 0.6)")
+    saved = {}
+    for label, patched in (("core", core), ("ours", ours)):
+        comfy.model_management.unload_all_models()
+        comfy.sd.save_checkpoint(str(tmp_path / f"{label}.safetensors"), patched, clip)
+        saved[label] = load_file(str(tmp_path / f"{label}.safetensors"))
+    comfy.model_management.unload_all_models()
+    assert saved["core"].keys() == saved["ours"].keys()
+    assert all(torch.equal(saved["core"][k], saved["ours"][k]) for k in saved["ours"])
+    dora_layer = "model.diffusion_model.input_blocks.1.1.proj_in.weight"
+    assert not torch.equal(saved["core"][dora_layer], model.model.state_dict()[dora_layer[len("model."):]])
