@@ -292,7 +292,7 @@ def test_another_packs_registered_adapter_still_loads_its_keys(sd15, loras, monk
 
 def test_hook_lora_equals_the_merged_file(sd15, loras, conds):
     """Create Hook LoRA → Set CLIP Hooks: the hooked text encoder encodes with our adapters switched on, as the
-    merged CLIP of our loader does."""
+    merged CLIP of our loader does; switched off, as ComfyUI without the pack does."""
     model, clip = sd15
     name = write(loras, "everywhere_hook.safetensors", {**lora(TE_Q, 768, 768, seed=3)})
     with switched(True):
@@ -303,6 +303,12 @@ def test_hook_lora_equals_the_merged_file(sd15, loras, conds):
                               strength_clip=0.8, apply_mode="merge").result[1]
         merged_cond = encode(merged_clip)[0][0][0]
     assert torch.equal(hooked_cond, merged_cond) and not torch.equal(merged_cond, conds[0][0][0])
+    conds_off = []
+    for context in (switched(False), without_pack()):
+        with context:
+            (hooks,) = CreateHookLora().create_hook(name, 0.0, 0.8)
+            conds_off.append(encode(SetClipHooks().apply_hooks(clip, False, False, hooks=hooks)[0])[0][0][0])
+    assert torch.equal(*conds_off)  # switched off: ComfyUI's own hooks, bit for bit
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0"])
