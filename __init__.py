@@ -4,20 +4,12 @@ import sys
 
 from comfy_api.latest import ComfyExtension, io
 
-from .nodes import (
-    everywhere,
-    info,
-    loaders,
-    routes,
-    schedule,
-    stack,
-    tool_convert,
-    tool_extract,
-    tool_resize,
-    tool_save,
-    weighting,
-)
-from .nodes.tools_common import sweep_leftovers
+from .nodes.glue import everywhere, routes
+from .nodes.inspection import info
+from .nodes.loading import loaders, weighting
+from .nodes.scheduling import schedule, stack
+from .nodes.tools import convert, extract, resize, save
+from .nodes.tools.common import sweep_leftovers
 
 WEB_DIRECTORY = "./web"
 
@@ -26,7 +18,7 @@ WEB_DIRECTORY = "./web"
 sweep_leftovers()
 
 # ComfyUI's LoRA loading functions, wrapped: they do what they did until the "exact everywhere" switch is turned on
-# (nodes/everywhere.py).
+# (nodes/glue/everywhere.py).
 everywhere.install()
 
 # ComfyUI's server is running before custom nodes load. Imported as a library (tests, scripts) there is none, and
@@ -39,7 +31,7 @@ if _server is not None:
 class LycorisExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         return [*loaders.NODES, info.LycorisInfo, *weighting.NODES, *stack.NODES, *schedule.NODES,
-                *tool_save.NODES, *tool_resize.NODES, *tool_extract.NODES, *tool_convert.NODES]
+                *save.NODES, *resize.NODES, *extract.NODES, *convert.NODES]
 
 
 async def comfy_entrypoint() -> LycorisExtension:

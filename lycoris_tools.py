@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     options, _rest = bootstrap_parser().parse_known_args(argv)
     start_comfyui(find_comfyui(options.comfyui), options)
     import_pack()
-    cli = importlib.import_module(f"{PACK_NAME}.nodes.cli")
+    cli = importlib.import_module(f"{PACK_NAME}.nodes.tools.cli")
     return cli.main(argv, bootstrap_parser())
 
 

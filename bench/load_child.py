@@ -16,8 +16,8 @@ import comfy.lora
 import comfy.lora_convert
 import comfy.utils
 import unet_shapes
-from lycoris_nodes.nodes.apply import build_patches
-from lycoris_nodes.nodes.cache import load_cached
+from lycoris_nodes.nodes.glue.apply import build_patches
+from lycoris_nodes.nodes.glue.cache import load_cached
 
 
 def status_bytes(field: str) -> int:

@@ -29,8 +29,8 @@ import comfy.sd
 import comfy.utils
 import folder_paths
 import torch
-from lycoris_nodes.nodes import loaders
-from lycoris_nodes.nodes.loaders import LycorisLoaderModelOnly
+from lycoris_nodes.nodes.loading import loaders
+from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
 from safetensors.torch import save_file
 
 import nodes as comfy_nodes  # ComfyUI's nodes.py

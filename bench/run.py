@@ -40,7 +40,7 @@ import comfy.supported_models
 import torch
 import unet_shapes
 from lycoris_nodes.lycoris_core import parse_state_dict
-from lycoris_nodes.nodes.apply import apply_file, build_patches
+from lycoris_nodes.nodes.glue.apply import apply_file, build_patches
 
 ALL_ROWS = "1,2,3,4,5"
 CPU = torch.device("cpu")
@@ -460,7 +460,7 @@ def offloaded_row(algo: str, label: str, a: Model, b: Model, builtin: dict | Non
 
 def bypass_row(algo: str, label: str, lfile, ours: dict, a: Model, b: Model, repeats: int) -> Row:
     """Row 4, what a user gets from the loader node: our file merged into a (apply_mode merge) and bypassed on b
-    (apply_mode bypass: nodes/bypass.py's injection), both loaded by ComfyUI's load_models_gpu; the same inputs
+    (apply_mode bypass: nodes/glue/bypass.py's injection), both loaded by ComfyUI's load_models_gpu; the same inputs
     through both. Both outputs are compared with the exact fp32 ones (`exact_outputs`)."""
     base, exact = exact_outputs(a, ours)
     merged, _, _ = apply_file(lfile, a.base, None, 1.0, 0.0, reference=False)

@@ -36,7 +36,7 @@ import comfy.utils
 import torch
 import unet_shapes
 from lycoris_nodes.lycoris_core import parse_state_dict
-from lycoris_nodes.nodes.apply import apply_file
+from lycoris_nodes.nodes.glue.apply import apply_file
 from run import Model, Weights, make_inputs, sdxl_layers
 
 PARTS = ("node", "restore", "fp32 copy", "adapter maths", "rounding", "set param", "rest of patch_weight_to_device",

@@ -1,4 +1,4 @@
-"""Derive nodes/diffusers_names.json: which diffusers module is which ComfyUI weight (or rows of one), per architecture.
+"""Derive nodes/glue/diffusers_names.json: which diffusers module is which ComfyUI weight (or rows of one), per architecture.
 
 ComfyUI has name converters for SD, SD3, Flux, AuraFlow, PixArt and Z-Image, but none for Wan, HunyuanVideo,
 LTX-Video, Mochi and the other video models, whose adapters diffusers, PEFT and SimpleTuner name by the diffusers
@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-TABLE = ROOT / "nodes" / "diffusers_names.json"
+TABLE = ROOT / "nodes" / "glue" / "diffusers_names.json"
 WEIGHT = ".weight"
 ROW_TAG = 1 << 20  # tag = (weight number) * ROW_TAG + row; float64 holds it exactly
 

@@ -54,7 +54,7 @@ def main(pack_root: Path, folder: Path, files: int, opens: int) -> dict:
     import_pack(pack_root)
     import folder_paths
     from lycoris_nodes.lycoris_core import LycorisError
-    from lycoris_nodes.nodes import cache
+    from lycoris_nodes.nodes.glue import cache
 
     folder_paths.set_temp_directory(str(folder / "temp"))
     paths = [folder / f"lora_{i:04d}.safetensors" for i in range(files)]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from comfy.quant_ops import QuantizedTensor
 from lycoris_nodes.lycoris_core import parse_state_dict
-from lycoris_nodes.nodes.apply import build_patches
+from lycoris_nodes.nodes.glue.apply import build_patches
 from reference.lycoris_factory import LAYER, LAYERS, PREFIXES
 
 CPU = torch.device("cpu")

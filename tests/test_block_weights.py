@@ -34,9 +34,10 @@ from lycoris import LycorisNetwork, create_lycoris
 from lycoris_nodes.lycoris_core import LycorisError
 from lycoris_nodes.lycoris_core.block_weights import parse
 from lycoris_nodes.lycoris_core.blocks import block_of
-from lycoris_nodes.nodes import loaders, presets
-from lycoris_nodes.nodes.loaders import LycorisLoader
-from lycoris_nodes.nodes.weighting import LycorisBlockInfo, LycorisBlockWeights
+from lycoris_nodes.nodes.glue import report as panel_report
+from lycoris_nodes.nodes.loading import presets
+from lycoris_nodes.nodes.loading.loaders import LycorisLoader
+from lycoris_nodes.nodes.loading.weighting import LycorisBlockInfo, LycorisBlockWeights
 from node_runner import execute
 from patcher_util import assert_rounded_from
 from reference.lycoris_factory import Lazy, _class_presets_restored, _randomise, attach, plain_copy
@@ -53,7 +54,7 @@ F64 = torch.float64
 def no_panel_measurement(monkeypatch):
     """The loaders measure per-block change for their panel on every run (about one more patch pass); nothing here
     reads it, so it is skipped to keep these tests fast (test_coverage.py covers it)."""
-    monkeypatch.setattr(loaders, "LOADER_MEASURE_BUDGET", -1)
+    monkeypatch.setattr(panel_report, "LOADER_MEASURE_BUDGET", -1)
 
 
 def loaded_weights(patcher, keys) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ import pytest
 import torch
 from comfy.quant_ops import QuantizedTensor
 from lycoris_nodes.lycoris_core import load
-from lycoris_nodes.nodes.apply import patched_clone
+from lycoris_nodes.nodes.glue.apply import patched_clone
 from patcher_util import (
     FACTORY_KEY_MAP,
     assert_bit_identical,
@@ -324,7 +324,7 @@ class PackedTensor(torch.Tensor):
 
 @pytest.mark.parametrize("variant_id,expected", [("locon", True), ("locon_dora_out", False), ("oft_rescaled", False)])
 def test_unreadable_weight_bypasses_only_what_needs_no_weight(reference_files, bases, variant_id, expected):
-    from lycoris_nodes.nodes.bypass import wants_bypass
+    from lycoris_nodes.nodes.glue.bypass import wants_bypass
 
     generated = reference_files[variant_id]
     net = factory_model(bases[torch.float32], torch.float32)

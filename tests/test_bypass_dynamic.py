@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from comfy.quant_ops import QuantizedTensor
 from lycoris import create_lycoris_from_weights
 from lycoris_nodes.lycoris_core import load
-from lycoris_nodes.nodes.apply import ApplyReport, patched_clone
+from lycoris_nodes.nodes.glue.apply import patched_clone
+from lycoris_nodes.nodes.glue.coverage import ApplyReport
 from patcher_util import CPU, factory_model, full_load, lycoris_patches, offload, patcher
 from reference.lycoris_factory import _class_presets_restored, base_model, probe
 from safetensors.torch import load_file

@@ -29,12 +29,12 @@ import torch
 from comfy.quant_ops import QuantizedTensor
 from lycoris_nodes.lycoris_core import parse_state_dict
 from lycoris_nodes.lycoris_core.bypass import Contribution, LayerOp, layer_output
-from lycoris_nodes.nodes import loaders
-from lycoris_nodes.nodes.apply import patched_clone
-from lycoris_nodes.nodes.bypass import BypassLayer
-from lycoris_nodes.nodes.loaders import LycorisLoader, LycorisLoaderModelOnly
-from lycoris_nodes.nodes.stack import LycorisApplyStack, LycorisStack
-from lycoris_nodes.nodes.weighting import LycorisBlockWeights
+from lycoris_nodes.nodes.glue import report as panel_report
+from lycoris_nodes.nodes.glue.apply import patched_clone
+from lycoris_nodes.nodes.glue.bypass import BypassLayer
+from lycoris_nodes.nodes.loading.loaders import LycorisLoader, LycorisLoaderModelOnly
+from lycoris_nodes.nodes.loading.weighting import LycorisBlockWeights
+from lycoris_nodes.nodes.scheduling.stack import LycorisApplyStack, LycorisStack
 from node_runner import execute as run_node
 from patcher_util import (
     CPU,
@@ -85,7 +85,7 @@ UKEYS = {
 @pytest.fixture(autouse=True)
 def no_panel_measurement(monkeypatch):
     """The loaders measure per-block change for the panel (one more patch pass); nothing here reads it."""
-    monkeypatch.setattr(loaders, "LOADER_MEASURE_BUDGET", -1)
+    monkeypatch.setattr(panel_report, "LOADER_MEASURE_BUDGET", -1)
 
 
 # --- helpers ---------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The process-wide file cache (nodes/cache.py): read once, re-read when edited, bounded by bytes, freed under memory
+"""The process-wide file cache (nodes/glue/cache.py): read once, re-read when edited, bounded by bytes, freed under memory
 pressure, visible in stats, the log, the Info node and the route; and a real stack of nodes reading a file once.
 
 Files are real safetensors written here; reads are counted by wrapping the module's own `read`.
@@ -16,10 +16,10 @@ import test_nodes
 import torch
 from aiohttp.test_utils import make_mocked_request
 from lycoris_nodes.lycoris_core import parse_state_dict
-from lycoris_nodes.nodes import cache, routes
-from lycoris_nodes.nodes.info import LycorisInfo
-from lycoris_nodes.nodes.loaders import LycorisLoader
-from lycoris_nodes.nodes.stack import LycorisApplyStack, LycorisStack
+from lycoris_nodes.nodes.glue import cache, routes
+from lycoris_nodes.nodes.inspection.info import LycorisInfo
+from lycoris_nodes.nodes.loading.loaders import LycorisLoader
+from lycoris_nodes.nodes.scheduling.stack import LycorisApplyStack, LycorisStack
 from test_block_weights import run as run_block
 from test_coverage import run as run_with_ui
 from test_nodes import TO_Q, lora, write

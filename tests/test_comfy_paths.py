@@ -10,7 +10,7 @@ import comfy.model_patcher
 import comfy.ops
 import torch
 from lycoris_nodes.lycoris_core import parse_state_dict
-from lycoris_nodes.nodes.apply import build_patches
+from lycoris_nodes.nodes.glue.apply import build_patches
 
 CPU = torch.device("cpu")
 

@@ -34,9 +34,10 @@ from lycoris import LycorisNetwork, create_lycoris
 from lycoris_nodes.lycoris_core import parse_state_dict
 from lycoris_nodes.lycoris_core.patch import apply
 from lycoris_nodes.lycoris_core.summary import summarize
-from lycoris_nodes.nodes import cache, loaders
-from lycoris_nodes.nodes.apply import map_file
-from lycoris_nodes.nodes.loaders import LycorisLoaderModelOnly
+from lycoris_nodes.nodes.glue import cache
+from lycoris_nodes.nodes.glue import report as panel_report
+from lycoris_nodes.nodes.glue.apply import map_file
+from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
 from node_runner import execute
 from reference.lycoris_factory import _class_presets_restored, _randomise, attach, plain_copy
 from safetensors import safe_open
@@ -51,7 +52,7 @@ LABEL = "OFT (ComfyUI trainer)"
 
 @pytest.fixture(autouse=True)
 def no_panel_measurement(monkeypatch):
-    monkeypatch.setattr(loaders, "LOADER_MEASURE_BUDGET", -1)
+    monkeypatch.setattr(panel_report, "LOADER_MEASURE_BUDGET", -1)
 
 
 # --- the file, made by ComfyUI's trainer and saver -----------------------------------------------------------------

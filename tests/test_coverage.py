@@ -17,10 +17,10 @@ import pytest
 import test_nodes
 from lycoris_nodes.lycoris_core import LycorisError
 from lycoris_nodes.lycoris_core.summary import summarize
-from lycoris_nodes.nodes.apply import map_file
-from lycoris_nodes.nodes.cache import read
-from lycoris_nodes.nodes.info import LycorisInfo
-from lycoris_nodes.nodes.loaders import LycorisLoader, LycorisLoaderModelOnly
+from lycoris_nodes.nodes.glue.apply import map_file
+from lycoris_nodes.nodes.glue.cache import read
+from lycoris_nodes.nodes.inspection.info import LycorisInfo
+from lycoris_nodes.nodes.loading.loaders import LycorisLoader, LycorisLoaderModelOnly
 from node_runner import map_node
 from test_nodes import LOGGER, PROJ_IN, PROJ_IN_KEY, TE_Q, TE_Q_KEY, TO_Q, TO_Q_KEY, lora, lora_delta64, write
 
@@ -384,7 +384,7 @@ def test_info_with_clip_only_does_not_blame_the_file(sd15, loras):
     'no weight of this model has this name' and, being the majority, a verdict 'This file looks made for sd_v1 / SD
     (UNet), not for this model.' — the mirror image of the 'no CLIP is connected' case fixed in 3219eca.
 
-    Proposed fix (nodes/apply.py): in find_target, when "model" is not in `shapes` and the prefix is not a
+    Proposed fix (nodes/glue/apply.py): in find_target, when "model" is not in `shapes` and the prefix is not a
     text-encoder prefix, return 'diffusion-model module, but no MODEL is connected'; family_verdict leaves those out
     like the 'no CLIP is connected' ones."""
     _model, clip = sd15

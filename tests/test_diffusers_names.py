@@ -1,6 +1,6 @@
 """diffusers' names for the DiTs ComfyUI has no converter for, as diffusers' own single-file converters give them.
 
-nodes/diffusers_names.json is written by scripts/derive_diffusers_names.py, which runs
+nodes/glue/diffusers_names.json is written by scripts/derive_diffusers_names.py, which runs
 `diffusers.loaders.single_file_utils.convert_*_to_diffusers` on ComfyUI's model of each architecture. Here:
 - the table is what the installed diffusers' converters give (so a diffusers or ComfyUI change that moves a name
   shows up as a failing test, not as a silently wrong table);
@@ -11,7 +11,7 @@ nodes/diffusers_names.json is written by scripts/derive_diffusers_names.py, whic
 
 import pytest
 from derive_names import derive
-from lycoris_nodes.nodes import keymap
+from lycoris_nodes.nodes.glue import keymap
 
 ARCHS = {arch.name: arch for arch in derive.ARCHS}
 WEIGHT = ".weight"

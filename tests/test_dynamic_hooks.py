@@ -28,8 +28,8 @@ import pytest
 import test_nodes
 import torch
 from comfy_extras.nodes_hooks import ConditioningSetProperties, CreateHookLora, SetClipHooks
-from lycoris_nodes.nodes.loaders import LycorisLoaderModelOnly
-from lycoris_nodes.nodes.schedule import LycorisFade, LycorisHook
+from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
+from lycoris_nodes.nodes.scheduling.schedule import LycorisFade, LycorisHook
 from node_runner import execute
 from test_nodes import TE_Q, TE_Q_KEY, TO_Q, TO_Q_KEY, lora, write
 

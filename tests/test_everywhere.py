@@ -28,8 +28,9 @@ from comfy.weight_adapter.base import WeightAdapterBase
 from comfy_extras import nodes_train
 from comfy_extras.nodes_hooks import CreateHookLora, SetClipHooks
 from lycoris_nodes.lycoris_core import LycorisError
-from lycoris_nodes.nodes import everywhere, loaders
-from lycoris_nodes.nodes.loaders import LycorisLoader, LycorisLoaderModelOnly
+from lycoris_nodes.nodes.glue import everywhere
+from lycoris_nodes.nodes.glue import report as panel_report
+from lycoris_nodes.nodes.loading.loaders import LycorisLoader, LycorisLoaderModelOnly
 from node_runner import execute
 from test_comfy_trainer_oft import train_and_save
 from test_nodes import LOGGER, TE_Q, TO_Q, _corrupt, encode, lora, sample, weights_after_full_load, write
@@ -48,7 +49,7 @@ CORE_DEVIATES = {"locon_dora", "oft", "boft", "ia3"}
 
 @pytest.fixture(autouse=True)
 def no_panel_measurement(monkeypatch):
-    monkeypatch.setattr(loaders, "LOADER_MEASURE_BUDGET", -1)
+    monkeypatch.setattr(panel_report, "LOADER_MEASURE_BUDGET", -1)
 
 
 @contextlib.contextmanager

@@ -19,12 +19,12 @@ import test_nodes
 import torch
 from lycoris_nodes.lycoris_core import LycorisError, SafetensorsFile
 from lycoris_nodes.lycoris_core import safetensors_file as reader_module
-from lycoris_nodes.nodes import cache
-from lycoris_nodes.nodes.info import LycorisInfo
-from lycoris_nodes.nodes.loaders import LycorisLoader, LycorisLoaderModelOnly
-from lycoris_nodes.nodes.schedule import LycorisHook
-from lycoris_nodes.nodes.stack import LycorisStack
-from lycoris_nodes.nodes.weighting import LycorisBlockInfo, LycorisBlockWeights
+from lycoris_nodes.nodes.glue import cache
+from lycoris_nodes.nodes.inspection.info import LycorisInfo
+from lycoris_nodes.nodes.loading.loaders import LycorisLoader, LycorisLoaderModelOnly
+from lycoris_nodes.nodes.loading.weighting import LycorisBlockInfo, LycorisBlockWeights
+from lycoris_nodes.nodes.scheduling.schedule import LycorisHook
+from lycoris_nodes.nodes.scheduling.stack import LycorisStack
 from node_runner import execute
 from safetensors.torch import save_file
 from test_nodes import TO_Q, TO_Q_KEY, lora, weights_after_full_load, write

@@ -28,8 +28,8 @@ from lycoris import LycorisNetwork, create_lycoris
 from lycoris_nodes.lycoris_core import LycorisError, apply, change_norms, parse_state_dict
 from lycoris_nodes.lycoris_core.bypass import Contribution, reads_weight
 from lycoris_nodes.lycoris_core.summary import summarize
-from lycoris_nodes.nodes import cache
-from lycoris_nodes.nodes.apply import patched_clone
+from lycoris_nodes.nodes.glue import cache
+from lycoris_nodes.nodes.glue.apply import patched_clone
 from patcher_util import (
     CPU,
     assert_bit_identical,

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from comfy_env import REPO_ROOT
 from lycoris import LycorisNetwork, create_lycoris
-from lycoris_nodes.nodes.loaders import LycorisLoaderModelOnly
+from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
 from node_runner import execute
 from reference.lycoris_factory import (
     _class_presets_restored,
@@ -410,9 +410,9 @@ def test_report_measures_the_decoded_weight(gguf_models, reference, loras):
     comfy.model_management.load_models_gpu([patched])  # GGUFModelPatcher attaches the merged patches to W
     layer = model.model.diffusion_model.get_submodule("time_embed.0")
     assert layer.weight.patches, "the pack attached no patches: nothing here tests that they are ignored"
-    from lycoris_nodes.nodes.apply import map_file
-    from lycoris_nodes.nodes.cache import load_cached
-    from lycoris_nodes.nodes.report import _weight_fp32
+    from lycoris_nodes.nodes.glue.apply import map_file
+    from lycoris_nodes.nodes.glue.cache import load_cached
+    from lycoris_nodes.nodes.glue.report import _weight_fp32
 
     _patches, report = map_file(load_cached(str(loras / os.path.basename(ref.path))), patched, None, False)
     for applied in report.targets.values():

@@ -17,7 +17,7 @@ import comfy.utils
 import pytest
 import test_nodes
 import torch
-from lycoris_nodes.nodes.loaders import LycorisLoaderModelOnly
+from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
 from node_runner import execute
 from patcher_util import comfy_quant_linear, quantized_linear, scaled_fp8_linear
 from test_nodes import PROJ_IN, TO_Q, _tiny_sd15_path, lora, write

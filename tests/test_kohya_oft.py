@@ -21,9 +21,11 @@ import torch.nn.functional as F
 from lycoris_nodes.lycoris_core import LycorisError, parse_state_dict
 from lycoris_nodes.lycoris_core.bypass import Contribution, LayerOp, layer_output
 from lycoris_nodes.lycoris_core.patch import apply
-from lycoris_nodes.nodes import cache, loaders
-from lycoris_nodes.nodes.apply import build_patches, lora_key_map, map_file, model_shapes
-from lycoris_nodes.nodes.loaders import LycorisLoaderModelOnly
+from lycoris_nodes.nodes.glue import cache
+from lycoris_nodes.nodes.glue import report as panel_report
+from lycoris_nodes.nodes.glue.apply import build_patches, map_file
+from lycoris_nodes.nodes.glue.keymap import lora_key_map, model_shapes
+from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
 from node_runner import execute
 from test_nodes import weights_after_full_load, write
 from test_trainer_names import SDXL_CONFIG, SDXL_TO_Q
@@ -89,7 +91,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(autouse=True)
 def no_panel_measurement(monkeypatch):
-    monkeypatch.setattr(loaders, "LOADER_MEASURE_BUDGET", -1)
+    monkeypatch.setattr(panel_report, "LOADER_MEASURE_BUDGET", -1)
 
 
 # --- the file is read as kohya's OFT and reaches the model -----------------------------------------------------

@@ -44,7 +44,7 @@ def test_loading_keeps_checked_pages_out_of_the_process(tmp_path):
 def test_many_files_in_the_cache_cost_page_cache_not_process_memory(tmp_path, monkeypatch):
     """Issue #11: 50 files through the default budget grew the process by up to 492 MB, and the cache's report could
     not tell mapped pages from process memory. Both are measured here: resident set and the report's split."""
-    from lycoris_nodes.nodes import cache
+    from lycoris_nodes.nodes.glue import cache
 
     monkeypatch.delenv(cache.BUDGET_ENV, raising=False)
     cache.clear()

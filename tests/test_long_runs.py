@@ -9,8 +9,8 @@ import weakref
 
 import comfy.model_management
 import test_nodes
-from lycoris_nodes.nodes import loaders
-from lycoris_nodes.nodes.weighting import LycorisBlockWeights
+from lycoris_nodes.nodes.glue import report as panel_report
+from lycoris_nodes.nodes.loading.weighting import LycorisBlockWeights
 from test_nodes import PROJ_IN, TE_Q, TO_Q, lora, write
 from test_report_unpatched import run
 
@@ -34,21 +34,21 @@ def test_panel_charts_stay_bounded_over_many_block_weights(sd15, loras):
     session, so a sweep of block weights (an XY plot, a random search) added one chart per run without end."""
     model, clip = sd15
     name = lora_file(loras)
-    bound = getattr(loaders, "CHARTS_PER_MODEL", 64)
+    bound = getattr(panel_report, "CHARTS_PER_MODEL", 64)
     for i in range(bound + 16):
         block_weights_run(model, clip, name, f"default=1; input_blocks.*={i / 100:.2f}")
-    assert len(loaders._charts[model.model]) <= bound
-    assert len(loaders._charts[clip.cond_stage_model]) <= bound
+    assert len(panel_report._charts[model.model]) <= bound
+    assert len(panel_report._charts[clip.cond_stage_model]) <= bound
 
 
 def test_a_kept_chart_is_still_reused(sd15, loras, monkeypatch):
     """The bound drops the least recently used chart, not the one a strength change is about to reuse."""
     model, clip = sd15
     name = lora_file(loras)
-    monkeypatch.setattr(loaders, "CHARTS_PER_MODEL", 2)
+    monkeypatch.setattr(panel_report, "CHARTS_PER_MODEL", 2)
     measured = []
-    original = loaders.block_changes
-    monkeypatch.setattr(loaders, "block_changes", lambda *a, **k: measured.append(1) or original(*a, **k))
+    original = panel_report.block_changes
+    monkeypatch.setattr(panel_report, "block_changes", lambda *a, **k: measured.append(1) or original(*a, **k))
     block_weights_run(model, clip, name, "input_blocks.*=0.5")
     block_weights_run(model, clip, name, "input_blocks.*=0.6")
     block_weights_run(model, clip, name, "input_blocks.*=0.5")  # used again: now the most recent

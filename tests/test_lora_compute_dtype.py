@@ -27,7 +27,7 @@ import comfy.ops
 import pytest
 import torch
 from lycoris_nodes.lycoris_core import apply, load, parse_state_dict
-from lycoris_nodes.nodes.adapter import LycorisAdapter
+from lycoris_nodes.nodes.glue.adapter import LycorisAdapter
 from patcher_util import (
     FACTORY_KEY_MAP,
     assert_rounded_from,

@@ -25,9 +25,9 @@ import torch
 from lycoris_nodes.lycoris_core import LycorisError, SafetensorsFile
 from lycoris_nodes.lycoris_core.errors import MAX_NAME, MAX_REASON
 from lycoris_nodes.lycoris_core.summary import summarize
-from lycoris_nodes.nodes import cache
-from lycoris_nodes.nodes.info import LycorisInfo
-from lycoris_nodes.nodes.loaders import LycorisLoader
+from lycoris_nodes.nodes.glue import cache
+from lycoris_nodes.nodes.inspection.info import LycorisInfo
+from lycoris_nodes.nodes.loading.loaders import LycorisLoader
 from node_runner import execute
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save

@@ -15,8 +15,8 @@ import pytest
 import torch
 from comfy_env import REPO_ROOT
 from lycoris_nodes.lycoris_core import LycorisError
-from lycoris_nodes.nodes import cache
-from lycoris_nodes.nodes.loaders import LycorisLoader, LycorisLoaderModelOnly
+from lycoris_nodes.nodes.glue import cache
+from lycoris_nodes.nodes.loading.loaders import LycorisLoader, LycorisLoaderModelOnly
 from node_runner import execute
 from patcher_util import CPU, assert_rounded_from
 from safetensors.torch import save_file

@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import tokenize
+from pathlib import Path
 
 import lycoris_nodes
 import tomllib
@@ -116,7 +117,7 @@ def test_every_text_file_is_opened_with_an_explicit_encoding():
     The rule is still a preview rule in ruff, and turning preview on in pyproject would switch other rules to their
     preview behaviour as well, so it runs here on its own (`--select` replaces the project's rule set)."""
     files = _run("git", "ls-files", "*.py").stdout.split()
-    assert "nodes/presets.py" in files and "lycoris_core/peft_config.py" in files  # the pack's own readers
+    assert "nodes/loading/presets.py" in files and "lycoris_core/peft_config.py" in files  # the pack's own readers
     result = _run(sys.executable, "-m", "ruff", "check", "--preview", "--select", "PLW1514", "--no-cache", *files)
     assert result.returncode == 0, result.stdout
 
@@ -206,10 +207,47 @@ def test_comfy_test_syntax_level_passes_on_what_the_pack_prints(tmp_path):
     for name in ("pyproject.toml", "requirements.txt"):
         shutil.copy(REPO_ROOT / name, pack / name)
     files = [f for f in _run("git", "ls-files", *RUNTIME).stdout.split() if f.endswith(".py")]
-    assert "nodes/apply.py" in files and "lycoris_core/algos/lokr.py" in files
+    assert "nodes/glue/apply.py" in files and "lycoris_core/algos/lokr.py" in files
     for name in files:
         (pack / name).parent.mkdir(parents=True, exist_ok=True)
         source = (REPO_ROOT / name).read_text(encoding="utf-8")
         (pack / name).write_text(_set_aside_docstrings_and_comment_lines(source), encoding="utf-8")
     report = _comfy_test("lint", str(pack), "--check", "syntax")
     assert report["passed"], report["results"]["syntax"]["details"]
+
+
+# nodes/: the node classes by family on top, the glue that binds lycoris_core to ComfyUI below them, lycoris_core
+# at the bottom. An import may only go down (or stay inside its own family).
+NODE_FAMILIES = ("loading", "inspection", "scheduling", "tools")
+
+
+def pack_imports(path: Path) -> set[str]:
+    """The pack modules a file under nodes/ imports, as 'nodes.<package>' or 'lycoris_core' (relative imports
+    resolved against the file's own package)."""
+    package = path.relative_to(REPO_ROOT).parent.parts  # e.g. ("nodes", "glue")
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - node.level + 1]
+            parts = [*base, *(node.module.split(".") if node.module else [])]
+            if parts[:1] == ["lycoris_core"]:
+                found.add("lycoris_core")
+            elif parts[:1] == ["nodes"] and len(parts) > 1:
+                found.add(f"nodes.{parts[1]}")
+            elif parts == ["nodes"]:
+                found |= {f"nodes.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_nodes_imports_only_go_down():
+    """The glue imports no node family; a family imports the glue and lycoris_core, never another family; and
+    nothing but packages lives on nodes/' own floor."""
+    nodes = REPO_ROOT / "nodes"
+    assert sorted(p.name for p in nodes.iterdir() if p.suffix == ".py") == ["__init__.py"]
+    assert sorted(p.name for p in nodes.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(
+        [*NODE_FAMILIES, "glue"])
+    for path in sorted(nodes.rglob("*.py")):
+        own = path.relative_to(REPO_ROOT).parts[1]
+        imported = pack_imports(path) - {f"nodes.{own}", "lycoris_core"}
+        allowed = set() if own == "glue" else {"nodes.glue"}
+        assert imported <= allowed, f"{path.relative_to(REPO_ROOT)} imports {sorted(imported - allowed)}"

@@ -24,7 +24,7 @@ import pytest
 import torch
 from comfy.lora import calculate_weight
 from lycoris_nodes.lycoris_core import apply, casting, change, load, parse_state_dict
-from lycoris_nodes.nodes.adapter import LycorisAdapter
+from lycoris_nodes.nodes.glue.adapter import LycorisAdapter
 from reference.lycoris_factory import LAYER, VARIANTS, Lazy, functional_forward, layer_of, magnitude_forward, probe
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten

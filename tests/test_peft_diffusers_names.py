@@ -21,9 +21,10 @@ import torch
 from comfy.ldm.flux.model import FluxParams
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from diffusers.utils import convert_state_dict_to_diffusers, convert_state_dict_to_kohya
-from lycoris_nodes.nodes.apply import lora_key_map, map_file
-from lycoris_nodes.nodes.cache import read
-from lycoris_nodes.nodes.loaders import LycorisLoader, LycorisLoaderModelOnly
+from lycoris_nodes.nodes.glue.apply import map_file
+from lycoris_nodes.nodes.glue.cache import read
+from lycoris_nodes.nodes.glue.keymap import lora_key_map
+from lycoris_nodes.nodes.loading.loaders import LycorisLoader, LycorisLoaderModelOnly
 from patcher_util import assert_rounded_from
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer

@@ -32,9 +32,9 @@ import test_nodes
 import torch
 from comfy.ldm.flux.model import FluxParams
 from einops import rearrange
-from lycoris_nodes.nodes.apply import map_file
-from lycoris_nodes.nodes.cache import read
-from lycoris_nodes.nodes.loaders import LycorisLoaderModelOnly
+from lycoris_nodes.nodes.glue.apply import map_file
+from lycoris_nodes.nodes.glue.cache import read
+from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
 from test_nodes import run_node, weights_after_full_load
 
 peft = pytest.importorskip("peft")

@@ -11,9 +11,9 @@ import pytest
 import test_nodes
 import torch
 from diffusers import StableDiffusionPipeline
-from lycoris_nodes.nodes.apply import map_file
-from lycoris_nodes.nodes.cache import read
-from lycoris_nodes.nodes.loaders import LycorisLoader
+from lycoris_nodes.nodes.glue.apply import map_file
+from lycoris_nodes.nodes.glue.cache import read
+from lycoris_nodes.nodes.loading.loaders import LycorisLoader
 from patcher_util import assert_rounded_from
 from peft import LoraConfig, OFTConfig, get_peft_model, get_peft_model_state_dict, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer

@@ -30,7 +30,7 @@ from lycoris_core.bypass import Contribution, LayerOp, layer_output
 peft = pytest.importorskip("peft")
 import test_nodes
 from diffusers.loaders import StableDiffusionLoraLoaderMixin, StableDiffusionXLLoraLoaderMixin
-from lycoris_nodes.nodes.loaders import LycorisLoaderModelOnly
+from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
 from peft import LoHaConfig, LoKrConfig, LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
@@ -421,7 +421,7 @@ def test_loader_node_applies_peft_dora_at_its_scale_and_warns_without_config(wit
 
 def test_cache_reads_the_sibling_config_and_rereads_it_when_edited(tmp_path):
     """The node's file cache: a save_pretrained file at its adapter_config.json's scale, re-read once that is edited."""
-    from lycoris_nodes.nodes import cache
+    from lycoris_nodes.nodes.glue import cache
     cache.clear()
     path, _base, _truth = save_pretrained(tmp_path, lora(r=4, lora_alpha=11), seed=13)
     key = "base_model.model.lin.weight"

@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from comfy.quant_ops import QuantizedTensor
 from lycoris_nodes.lycoris_core import load
-from lycoris_nodes.nodes.apply import patched_clone
-from lycoris_nodes.nodes.loaders import LycorisLoader, LycorisLoaderModelOnly
+from lycoris_nodes.nodes.glue.apply import patched_clone
+from lycoris_nodes.nodes.loading.loaders import LycorisLoader, LycorisLoaderModelOnly
 from node_runner import execute
 from patcher_util import (
     CPU,

@@ -11,7 +11,7 @@ import comfy.ops
 import pytest
 import torch
 from lycoris_nodes.lycoris_core import load
-from lycoris_nodes.nodes.adapter import LycorisAdapter
+from lycoris_nodes.nodes.glue.adapter import LycorisAdapter
 from patcher_util import (
     CPU,
     HAS_SCALED_FP8_OPS,

@@ -21,10 +21,10 @@ import pytest
 import test_nodes
 import torch
 from comfy_extras.nodes_hooks import SetClipHooks
-from lycoris_nodes.nodes.info import LycorisInfo
-from lycoris_nodes.nodes.loaders import LycorisLoader
-from lycoris_nodes.nodes.schedule import LycorisHook
-from lycoris_nodes.nodes.weighting import LycorisBlockInfo
+from lycoris_nodes.nodes.inspection.info import LycorisInfo
+from lycoris_nodes.nodes.loading.loaders import LycorisLoader
+from lycoris_nodes.nodes.loading.weighting import LycorisBlockInfo
+from lycoris_nodes.nodes.scheduling.schedule import LycorisHook
 from node_runner import map_node
 from patcher_util import CPU
 from test_nodes import PROJ_IN, PROJ_IN_KEY, TE_Q, TE_Q_KEY, TO_Q, TO_Q_KEY, rand, write

@@ -24,7 +24,7 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from lycoris_nodes.lycoris_core.summary import summarize
-from lycoris_nodes.nodes import routes
+from lycoris_nodes.nodes.glue import routes
 from safetensors.torch import save_file
 from test_nodes import TE_Q, TO_Q, lora, write
 

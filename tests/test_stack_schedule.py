@@ -22,10 +22,10 @@ import torch
 from comfy_extras.nodes_hooks import ConditioningSetProperties, SetClipHooks
 from lycoris.modules.glora import _glora_weight
 from lycoris_nodes.lycoris_core import LycorisError, apply, parse_state_dict
-from lycoris_nodes.nodes.loaders import LycorisLoader
-from lycoris_nodes.nodes.schedule import LycorisFade, LycorisHook
-from lycoris_nodes.nodes.stack import LycorisApplyStack, LycorisStack
-from lycoris_nodes.nodes.weighting import LycorisBlockWeights
+from lycoris_nodes.nodes.loading.loaders import LycorisLoader
+from lycoris_nodes.nodes.loading.weighting import LycorisBlockWeights
+from lycoris_nodes.nodes.scheduling.schedule import LycorisFade, LycorisHook
+from lycoris_nodes.nodes.scheduling.stack import LycorisApplyStack, LycorisStack
 from patcher_util import assert_rounded_from
 from safetensors.torch import load_file
 from test_block_weights import TE_LAYERS, UNET_LAYERS, loaded_weights, make_reference, model_key, run, same_bits

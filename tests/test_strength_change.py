@@ -13,10 +13,12 @@ are not linear in the strength, so the chart is measured at every run there.
 import pytest
 import test_nodes
 import torch
-from lycoris_nodes.nodes import loaders, report
-from lycoris_nodes.nodes.apply import map_file
-from lycoris_nodes.nodes.cache import load_cached
-from lycoris_nodes.nodes.loaders import LycorisLoader, LycorisLoaderModelOnly
+from lycoris_nodes.nodes.glue import report
+from lycoris_nodes.nodes.glue import report as panel_report
+from lycoris_nodes.nodes.glue.apply import map_file
+from lycoris_nodes.nodes.glue.cache import load_cached
+from lycoris_nodes.nodes.loading import loaders
+from lycoris_nodes.nodes.loading.loaders import LycorisLoader, LycorisLoaderModelOnly
 from test_nodes import PROJ_IN, TE_Q, TO_Q, lora, rand, run_node, write
 from test_report_unpatched import run
 
@@ -115,6 +117,6 @@ def test_the_cached_chart_holds_numbers_only(sd15, loras):
     model, clip = sd15
     name = lora_file(loras)
     run_node(LycorisLoader, model=model, clip=clip, lycoris_name=name, strength_model=1.0, strength_clip=1.0)
-    cached = loaders._charts[model.model]
+    cached = panel_report._charts[model.model]
     values = [v for chart in cached.values() for block in chart for v in block.values()]
     assert values and not any(isinstance(v, torch.Tensor) for v in values)

@@ -578,7 +578,7 @@ def test_kohya_file_alpha_is_from_the_file(tmp_path):
 def test_info_node_shows_the_alpha_from_adapter_config_json(loras):
     """Through the LyCORIS Info node as ComfyUI runs it: PEFT's save_pretrained folder copied into the loras folder,
     the summary text and the panel's data carry the config's alpha."""
-    from lycoris_nodes.nodes.info import LycorisInfo
+    from lycoris_nodes.nodes.inspection.info import LycorisInfo
     from test_coverage import panel, run
     from test_peft_scale import lora, save_pretrained
 

@@ -26,10 +26,11 @@ from diffusers.utils import convert_state_dict_to_kohya
 from lycoris import LycorisNetwork, create_lycoris, kohya
 from lycoris_nodes.lycoris_core import LycorisError
 from lycoris_nodes.lycoris_core.patch import change
-from lycoris_nodes.nodes import tool_convert
-from lycoris_nodes.nodes.apply import lora_key_map, map_file
-from lycoris_nodes.nodes.cache import read
-from lycoris_nodes.nodes.tool_convert import LycorisConvert
+from lycoris_nodes.nodes.glue.apply import map_file
+from lycoris_nodes.nodes.glue.cache import read
+from lycoris_nodes.nodes.glue.keymap import lora_key_map
+from lycoris_nodes.nodes.tools import convert as tool_convert
+from lycoris_nodes.nodes.tools.convert import LycorisConvert
 from node_runner import execute
 from peft import LoraConfig, get_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer

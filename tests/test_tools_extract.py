@@ -26,9 +26,9 @@ from lycoris_nodes.lycoris_core.tools.extract import (
     rank_rule,
     rebuild_lokr,
 )
-from lycoris_nodes.nodes.loaders import LycorisLoader
-from lycoris_nodes.nodes.patched import patched_weight
-from lycoris_nodes.nodes.tool_extract import LycorisExtract
+from lycoris_nodes.nodes.glue.patched import patched_weight
+from lycoris_nodes.nodes.loading.loaders import LycorisLoader
+from lycoris_nodes.nodes.tools.extract import LycorisExtract
 from node_runner import execute
 from safetensors import safe_open
 from test_block_weights import make_reference, model_key
@@ -382,7 +382,7 @@ def test_cli_extracts_from_two_checkpoints(tmp_path, loras, capsys):
     assert not any("text_projection" in n for n in names)  # ComfyUI never loads SD1's: garbage at each load
 
     # a taken name is refused before any checkpoint is read (in-process: another ComfyUI start costs seconds)
-    from lycoris_nodes.nodes import cli
+    from lycoris_nodes.nodes.tools import cli
 
     (loras / "taken.safetensors").write_bytes(b"keep me")
     bootstrap = argparse.ArgumentParser(add_help=False)

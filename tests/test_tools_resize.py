@@ -266,7 +266,7 @@ def test_fp16_error_is_measured_after_rounding(tmp_path):
 # --- the node, on the tiny SD1.5 with files lycoris-lora writes for it -------------------------------------------------
 
 def resize_node(name, output, **options):
-    from lycoris_nodes.nodes.tool_resize import LycorisResize
+    from lycoris_nodes.nodes.tools.resize import LycorisResize
     from node_runner import execute
 
     inputs = {"rule": "fixed", "rank": 4096, "value": 0.9, "dtype": "fp32", **options}
@@ -332,7 +332,7 @@ def test_node_dora_needs_the_base_model(sd15, twin, loras, one_thread):  # noqa:
     measured = per_module_errors(model, loras / name, loras / written)
     with safe_open(str(loras / written), "pt") as f:
         recorded = json.loads(f.metadata()["lycoris_nodes.modules"])
-    _, mapped = __import__("lycoris_nodes.nodes.apply", fromlist=["map_file"]).map_file(
+    _, mapped = __import__("lycoris_nodes.nodes.glue.apply", fromlist=["map_file"]).map_file(
         load(loras / name), model, None, reference=False)
     by_weight = {applied.target.key: key for key, applied in mapped.targets.items()}
     assert sorted(by_weight[k] for k in measured) == sorted(recorded)

@@ -32,13 +32,14 @@ from comfy_env import REPO_ROOT, find_comfyui
 from lycoris import LycorisNetwork, create_lycoris
 from lycoris_nodes.lycoris_core import LycorisError
 from lycoris_nodes.lycoris_core.tools import writer
-from lycoris_nodes.nodes import cache, loaders
-from lycoris_nodes.nodes import cli as lycoris_tools_cli
-from lycoris_nodes.nodes.loaders import LycorisLoader
-from lycoris_nodes.nodes.schedule import LycorisHook
-from lycoris_nodes.nodes.stack import LycorisApplyStack, LycorisStack
-from lycoris_nodes.nodes.tool_save import LycorisSave, Settings, our_injections, save
-from lycoris_nodes.nodes.weighting import LycorisBlockWeights
+from lycoris_nodes.nodes.glue import cache
+from lycoris_nodes.nodes.glue import report as panel_report
+from lycoris_nodes.nodes.loading.loaders import LycorisLoader
+from lycoris_nodes.nodes.loading.weighting import LycorisBlockWeights
+from lycoris_nodes.nodes.scheduling.schedule import LycorisHook
+from lycoris_nodes.nodes.scheduling.stack import LycorisApplyStack, LycorisStack
+from lycoris_nodes.nodes.tools import cli as lycoris_tools_cli
+from lycoris_nodes.nodes.tools.save import LycorisSave, Settings, our_injections, save
 from node_runner import execute
 from patcher_util import CPU
 from reference.lycoris_factory import _class_presets_restored, _randomise, attach, plain_copy
@@ -112,7 +113,7 @@ def loras(sd15, tmp_path_factory, one_thread):
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(folder_paths.folder_names_and_paths, "loras", ([str(folder)], folder_paths.supported_pt_extensions))
         mp.setattr(folder_paths, "filename_list_cache", {})
-        mp.setattr(loaders, "LOADER_MEASURE_BUDGET", -1)  # the panel's chart: not read here
+        mp.setattr(panel_report, "LOADER_MEASURE_BUDGET", -1)  # the panel's chart: not read here
         for i, (name, (algo, kwargs)) in enumerate(FILES.items()):
             real_file(algo, kwargs, sd15, folder, name, 20251125 + 17 * i)
         cache.clear()
@@ -460,8 +461,8 @@ def test_modules_on_row_windows_of_a_fused_weight_concatenate_in_their_rows(tmp_
     truth is ComfyUI's full load of the same three merged; the saved module is one LoRA of rank 3·4 whose rows
     reproduce it."""
     from lycoris_nodes.lycoris_core.tools.combine import reproduced
-    from lycoris_nodes.nodes.apply import patched_clone
-    from lycoris_nodes.nodes.tool_save import applied_change, base_weight, chains_of, module_for
+    from lycoris_nodes.nodes.glue.apply import patched_clone
+    from lycoris_nodes.nodes.tools.save import applied_change, base_weight, chains_of, module_for
     from patcher_util import full_load, lycoris_patches, patcher
 
     width = 32  # rank 12 on 96 x 32: smaller than the diff

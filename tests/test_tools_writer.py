@@ -1,4 +1,4 @@
-"""The tools' writer (lycoris_core/tools/writer.py) and where the nodes write (nodes/tools_common.py): whole or
+"""The tools' writer (lycoris_core/tools/writer.py) and where the nodes write (nodes/tools/common.py): whole or
 nothing, never over an existing file unless asked, never outside the loras folders, and nothing but complete files
 left after a write killed with SIGKILL once the sweep has run: at once when the killed process was on this machine.
 
@@ -139,7 +139,7 @@ def two_loras_folders(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", ["../outside", "sub/../../outside", "/tmp/absolute", "C:\\\\x", "", "dir/"])
 def test_outputs_outside_the_loras_folder_are_refused(two_loras_folders, name):
-    from lycoris_nodes.nodes.tools_common import write_file
+    from lycoris_nodes.nodes.tools.common import write_file
 
     with pytest.raises(LycorisError):
         write_file(name, {"a": torch.ones(1)}, {}, overwrite=True)
@@ -149,7 +149,7 @@ def test_outputs_outside_the_loras_folder_are_refused(two_loras_folders, name):
 
 def test_outputs_go_in_the_loras_folder_and_are_listed(two_loras_folders):
     import folder_paths
-    from lycoris_nodes.nodes.tools_common import write_file
+    from lycoris_nodes.nodes.tools.common import write_file
 
     assert folder_paths.get_filename_list("loras") == []
     name = write_file("merged/mine", {"a": torch.ones(1)}, {}, overwrite=False)
@@ -286,7 +286,7 @@ def test_a_killed_write_leaves_no_partial_file_and_the_sweep_cleans_up(two_loras
     without hard links the name's lock) name the killed process as their owner; until a sweep the lock keeps the
     name reserved, and a sweep by age alone keeps them (fresh); the start-up sweep removes them at once, no aging
     needed, and nothing else; the same name is then written."""
-    from lycoris_nodes.nodes.tools_common import sweep_leftovers, write_file
+    from lycoris_nodes.nodes.tools.common import sweep_leftovers, write_file
 
     folder = two_loras_folders / "sub"
     folder.mkdir()
@@ -336,7 +336,7 @@ def test_a_killed_write_leaves_no_partial_file_and_the_sweep_cleans_up(two_loras
 
 @pytest.mark.parametrize("links", ["hard", "none"])
 def test_the_next_write_sweeps_a_killed_writes_leftovers(two_loras_folders, request, links):
-    from lycoris_nodes.nodes.tools_common import write_file
+    from lycoris_nodes.nodes.tools.common import write_file
 
     kill_at(two_loras_folders, links, "before_move")
     if links == "none":
@@ -352,7 +352,7 @@ def test_a_live_writers_files_are_not_swept_and_a_racing_writer_fails_cleanly(tw
     them. A second write of the same name: without hard links it fails on the lock, naming the file, and the paused
     write then finishes; with hard links the first to link wins (here the second) and the paused one then fails on
     the taken name, leaving nothing of its own."""
-    from lycoris_nodes.nodes.tools_common import sweep_leftovers, write_file
+    from lycoris_nodes.nodes.tools.common import sweep_leftovers, write_file
 
     if links == "none":
         request.getfixturevalue("no_hard_links")
@@ -389,7 +389,7 @@ def test_a_live_writers_files_are_not_swept_and_a_racing_writer_fails_cleanly(tw
 def test_a_write_in_progress_in_this_process_is_not_swept(two_loras_folders, monkeypatch):
     """A tool write in another thread of this process, paused before its fsync: the sweep (the next write's, or
     start-up's) sees its owner is this process, running, and leaves its workspace; the write then finishes."""
-    from lycoris_nodes.nodes.tools_common import sweep_leftovers, write_file
+    from lycoris_nodes.nodes.tools.common import sweep_leftovers, write_file
 
     paused, resume = threading.Event(), threading.Event()
     fsync_file = writer._fsync_file
@@ -420,7 +420,7 @@ def test_a_write_in_progress_in_this_process_is_not_swept(two_loras_folders, mon
 # --- what the sweep removes ----------------------------------------------------------------------------------------------
 
 def test_the_sweep_removes_only_stale_leftovers_of_the_writer_inside_the_loras_folders(two_loras_folders, tmp_path):
-    from lycoris_nodes.nodes.tools_common import sweep_leftovers
+    from lycoris_nodes.nodes.tools.common import sweep_leftovers
 
     save_file({"w": torch.ones(4)}, tmp_path / "user.safetensors")
     tensors = (tmp_path / "user.safetensors").read_bytes()
@@ -488,7 +488,7 @@ def test_the_sweep_never_raises_and_names_what_it_cannot_read_or_remove(two_lora
     EACCES) are logged by name and left; the rest is still swept; a loras folder that does not exist is skipped
     quietly."""
     import folder_paths
-    from lycoris_nodes.nodes.tools_common import sweep_leftovers
+    from lycoris_nodes.nodes.tools.common import sweep_leftovers
 
     stuck, free = (two_loras_folders / f".{n}.safetensors.lycoris-lock" for n in ("stuck", "free"))
     unreadable = two_loras_folders / "unreadable"
@@ -530,7 +530,7 @@ def ended_pid() -> int:
 
 
 def test_owner_alive_tells_running_processes_from_ended_and_reused_ones():
-    from lycoris_nodes.nodes.tools_common import START_TOLERANCE, owner_alive, process_started
+    from lycoris_nodes.nodes.tools.common import START_TOLERANCE, owner_alive, process_started
 
     me, started = os.getpid(), process_started()
     assert started == psutil.Process().create_time()
@@ -556,7 +556,7 @@ def test_the_sweep_removes_at_once_only_leftovers_whose_owner_ended_on_this_mach
     process's pid with another start time: reused) go at the first sweep; those of a running process, of another
     machine, or with a record that is missing, cut short or not ours stay until they are an hour old (the running
     ones are not aged here); a record reached through a link is never read."""
-    from lycoris_nodes.nodes.tools_common import process_started, sweep_leftovers
+    from lycoris_nodes.nodes.tools.common import process_started, sweep_leftovers
 
     loras, here, me, started, gone = two_loras_folders, socket.gethostname(), os.getpid(), process_started(), ended_pid()
 

@@ -24,7 +24,8 @@ from comfy.ldm.hunyuan_video.model import HunyuanVideoParams
 from derive_names import derive
 from lycoris_nodes.lycoris_core import parse_state_dict
 from lycoris_nodes.lycoris_core.keys import split_key
-from lycoris_nodes.nodes.apply import build_patches, lora_key_map, map_file, model_shapes
+from lycoris_nodes.nodes.glue.apply import build_patches, map_file
+from lycoris_nodes.nodes.glue.keymap import lora_key_map, model_shapes
 
 sd15 = test_nodes.sd15  # fixture
 
@@ -301,7 +302,7 @@ EXPECTED_MISSES = {  # (architecture, module name) -> why it does not map
 }
 # OMI names one part of a fused weight `<fused>.<i>` (Flux's qkv in thirds, linear1 as q, k, v, MLP). ComfyUI's own
 # flux_to_diffusers gives the rows of each part (its diffusers entries to_q, to_k, to_v, proj_mlp), but our key map
-# (nodes/keymap.py) does not yet list those parts by index; until it does, these modules are reported unmatched.
+# (nodes/glue/keymap.py) does not yet list those parts by index; until it does, these modules are reported unmatched.
 
 
 def _params() -> list:

@@ -1,5 +1,5 @@
 """PEFT, diffusers and LyCORIS-wrapper files on the video DiTs ComfyUI has no diffusers names for: Wan 2.1 (T2V and
-I2V), HunyuanVideo 1.0, LTX-Video, LTX-2 and Cosmos Predict2, end to end through nodes/keymap.py's
+I2V), HunyuanVideo 1.0, LTX-Video, LTX-2 and Cosmos Predict2, end to end through nodes/glue/keymap.py's
 `converted_module_paths`.
 
 Each architecture is ComfyUI's own model (`comfy.supported_models` WAN21_T2V / WAN21_I2V / HunyuanVideo / LTXV /
@@ -62,9 +62,9 @@ import comfy.supported_models
 import pytest
 import test_nodes
 import torch
-from lycoris_nodes.nodes.apply import map_file
-from lycoris_nodes.nodes.cache import read
-from lycoris_nodes.nodes.loaders import LycorisLoaderModelOnly
+from lycoris_nodes.nodes.glue.apply import map_file
+from lycoris_nodes.nodes.glue.cache import read
+from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
 from test_nodes import run_node, weights_after_full_load
 
 peft = pytest.importorskip("peft")

@@ -924,7 +924,7 @@ function afterAssign(widget, after) {
 
 // --- Exact everywhere ------------------------------------------------------------------------------------------------
 //
-// The server reads this setting (nodes/everywhere.py) each time ComfyUI loads a LoRA. ComfyUI keeps each node's
+// The server reads this setting (nodes/glue/everywhere.py) each time ComfyUI loads a LoRA. ComfyUI keeps each node's
 // outputs while its inputs stay the same, so after a switch every loader would still hand on the models it patched
 // before: the switch asks the server to drop them (/free, as ComfyUI's own "Unload models" button does), and the
 // next queue loads every LoRA again, the new way. Frontends call onChange once at start-up with no old value.

@@ -52,7 +52,7 @@ LEGACY_TEMPORARY_NAME = re.compile(rf"\..+\.{_RANDOM}\.partial")
 # same record, JSON {"host": socket.gethostname(), "pid": os.getpid(), "started": the process's start time or null}.
 # `sweep` removes a leftover at once when its owner ran on this machine and the caller's `owner_alive(pid, started)`
 # says it is not running (no such pid, or one started at another time: the pid was reused). lycoris_core knows no
-# process table: the nodes answer with psutil (nodes/tools_common.py); never os.kill(pid, 0), which on Windows
+# process table: the nodes answer with psutil (nodes/tools/common.py); never os.kill(pid, 0), which on Windows
 # terminates the process.
 OWNER = "owner"
 OWNER_LIMIT = 4096  # bytes read of a record; a longer one is not ours

@@ -2,7 +2,7 @@
 
 Only names that ComfyUI itself lists for the loras folders are served (no paths, so no traversal), and only
 safetensors files are read (never pickles). With `&cache=1` the answer also has a "cache" object: the pack's file
-cache (files, bytes, budget, hits, misses, evictions; see nodes/cache.py). It is opt-in so that the plain answer stays
+cache (files, bytes, budget, hits, misses, evictions; see nodes/glue/cache.py). It is opt-in so that the plain answer stays
 exactly the file's summary, which does not change while the file does not.
 
 Off the event loop, and bounded. ComfyUI answers every request on one event loop, so a handler that reads a file
@@ -31,9 +31,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import folder_paths
 from aiohttp import web
 
-from ..lycoris_core import LycorisError
-from ..lycoris_core.safetensors_file import PICKLE_SUFFIXES
-from ..lycoris_core.summary import summarize
+from ...lycoris_core import LycorisError
+from ...lycoris_core.safetensors_file import PICKLE_SUFFIXES
+from ...lycoris_core.summary import summarize
 from . import cache, lora_files
 
 WORKERS = 2  # reads are pure Python (GIL-bound): more threads would not read faster, only hold more memory
@@ -160,7 +160,7 @@ async def info(request: web.Request) -> web.Response:
 # /extensions/<pack folder>/docs/<Node>.md (frontends 1.32 to 1.58). The pages are web/docs/<Node>.md, in English: the
 # first request answers with that page for every locale, so no help page costs a 404 in the browser console.
 
-PACK_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # abspath: a symlinked folder keeps its name
+PACK_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # abspath: a symlinked folder keeps its name
 DOCS_DIR = os.path.join(PACK_ROOT, "web", "docs")
 
 

@@ -18,10 +18,10 @@ import comfy.model_patcher
 import torch
 from comfy_api.latest import io
 
-from ..lycoris_core import LycorisError
-from ..lycoris_core.block_weights import BlockWeights, parse
-from ..lycoris_core.bypass import Contribution, changed_weight
-from ..lycoris_core.tools.combine import (
+from ...lycoris_core import LycorisError
+from ...lycoris_core.block_weights import BlockWeights, parse
+from ...lycoris_core.bypass import Contribution, changed_weight
+from ...lycoris_core.tools.combine import (
     Entry,
     Written,
     concatenated,
@@ -29,12 +29,14 @@ from ..lycoris_core.tools.combine import (
     is_concatenable,
     lora_module,
 )
-from ..lycoris_core.tools.metadata import ModuleRecord, tool_metadata
-from .adapter import LycorisAdapter
-from .apply import apply_file, lora_key_map, model_family, sources_of
-from .cache import load_cached
-from .patched import base_weight
-from .tools_common import (
+from ...lycoris_core.tools.metadata import ModuleRecord, tool_metadata
+from ..glue.adapter import LycorisAdapter
+from ..glue.apply import apply_file, sources_of
+from ..glue.cache import load_cached
+from ..glue.coverage import model_family
+from ..glue.keymap import lora_key_map
+from ..glue.patched import base_weight
+from .common import (
     CATEGORY,
     DTYPES,
     Progress,

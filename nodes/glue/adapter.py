@@ -8,7 +8,7 @@ needs lives in `weights`: the immutable `Plan` first, then the tensors in `plan.
 import torch
 from comfy.weight_adapter.base import WeightAdapterBase
 
-from ..lycoris_core import LycorisError, Module, Plan, apply
+from ...lycoris_core import LycorisError, Module, Plan, apply
 
 
 class LycorisAdapter(WeightAdapterBase):

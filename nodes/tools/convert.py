@@ -18,15 +18,17 @@ import comfy.utils
 import torch
 from comfy_api.latest import io
 
-from ..lycoris_core import LycorisError, LycorisFile, parse_state_dict
-from ..lycoris_core.tools import convert
-from ..lycoris_core.tools.changes import module_change
-from ..lycoris_core.tools.metadata import ModuleRecord, tool_metadata
-from .apply import Applied, lora_key_map, map_file, model_family
-from .cache import load_cached
-from .loaders import lycoris_input, lycoris_path
-from .lora_files import validate_name
-from .tools_common import (
+from ...lycoris_core import LycorisError, LycorisFile, parse_state_dict
+from ...lycoris_core.tools import convert
+from ...lycoris_core.tools.changes import module_change
+from ...lycoris_core.tools.metadata import ModuleRecord, tool_metadata
+from ..glue.apply import map_file
+from ..glue.cache import load_cached
+from ..glue.coverage import Applied, model_family
+from ..glue.inputs import lycoris_input, lycoris_path
+from ..glue.keymap import lora_key_map
+from ..glue.lora_files import validate_name
+from .common import (
     CATEGORY,
     Progress,
     ToolReport,

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import folder_paths
 
-from ..lycoris_core import LycorisError
-from .apply import log
+from ...lycoris_core import LycorisError
+from ..glue.apply import log
 
-SHIPPED = Path(__file__).resolve().parent.parent / "presets" / "block_weights.json"
+SHIPPED = Path(__file__).resolve().parents[2] / "presets" / "block_weights.json"
 CUSTOM = "custom"
 
 

@@ -10,7 +10,7 @@ import comfy.model_patcher
 import torch
 from comfy.quant_ops import QuantizedTensor
 
-from ..lycoris_core.bypass import changed_weight
+from ...lycoris_core.bypass import changed_weight
 from . import gguf
 from .bypass import layer_name
 

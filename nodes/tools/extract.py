@@ -1,7 +1,7 @@
 """Extract LyCORIS: a LoCon (or LoKr) file from the difference of a tuned MODEL (and CLIP) and its base, given as
 another MODEL (and CLIP) or as a checkpoint file; the maths is lycoris_core/tools/extract.py.
 
-A MODEL carrying patches (our loaders, ComfyUI's LoraLoader) counts with its patches applied (nodes/patched.py).
+A MODEL carrying patches (our loaders, ComfyUI's LoraLoader) counts with its patches applied (nodes/glue/patched.py).
 A base checkpoint is loaded by ComfyUI's own loader (comfy.sd.load_checkpoint_guess_config, no VAE; its CLIP only
 when a CLIP is given), so its keys are detected and converted exactly as when ComfyUI loads it, and they then match
 the tuned model's keys one to one (a model of another architecture is refused, naming the first key that differs).
@@ -11,13 +11,14 @@ import folder_paths
 import torch
 from comfy_api.latest import io
 
-from ..lycoris_core import LycorisError
-from ..lycoris_core.tools.extract import ALGOS, MODES, Extracted, extract_weight, rank_rule
-from ..lycoris_core.tools.metadata import ModuleRecord, tool_metadata
-from . import tools_common
-from .apply import lora_key_map, model_family
-from .patched import patched_weight
-from .tools_common import CATEGORY, Progress, ToolReport
+from ...lycoris_core import LycorisError
+from ...lycoris_core.tools.extract import ALGOS, MODES, Extracted, extract_weight, rank_rule
+from ...lycoris_core.tools.metadata import ModuleRecord, tool_metadata
+from ..glue.coverage import model_family
+from ..glue.keymap import lora_key_map
+from ..glue.patched import patched_weight
+from . import common
+from .common import CATEGORY, Progress, ToolReport
 
 NONE = "none"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -30,11 +31,11 @@ CLI_HELP = "extract a LoCon/LoKr file from the difference of a tuned checkpoint 
 
 class Side:
     """One part (diffusion model or text encoder): tuned and base patchers, the weight keys to compare and the name
-    each is written under (tools_common.file_names over ComfyUI's key map)."""
+    each is written under (common.file_names over ComfyUI's key map)."""
 
     def __init__(self, label: str, tuned, base, is_clip: bool, base_name: str, config=None):
         self.label, self.tuned, self.base = label, tuned, base
-        names = {k: n for k, n in tools_common.file_names(lora_key_map(tuned.model, is_clip)).items()
+        names = {k: n for k, n in common.file_names(lora_key_map(tuned.model, is_clip)).items()
                  if k.endswith(".weight")}  # a bias goes with its weight's module, as diff_b
         tuned_sd = tuned.model.state_dict()
         self.dropped = sorted(k for k in names if is_clip and k in tuned_sd and not_saved_text_weight(config, k, tuned_sd))
@@ -72,7 +73,7 @@ def not_saved_text_weight(config, key: str, state_dict: dict) -> bool:
 
 def checkpoint_base(name: str, with_clip: bool):
     """(MODEL, CLIP or None) of a checkpoint in the checkpoints folder, by ComfyUI's own loader."""
-    model, clip = tools_common.checkpoint(name, with_clip)
+    model, clip = common.checkpoint(name, with_clip)
     if with_clip and clip is None:
         raise LycorisError("this checkpoint holds no text encoder to compare the CLIP with", file=name)
     return model, clip
@@ -152,14 +153,14 @@ def options_from(mode: str, mode_param: float, max_rank: int, algo: str, skip_be
 
 def check_output(output_name: str, overwrite: bool) -> None:
     """A bad or taken output name fails before any weight is read, not after the work (the writer checks again)."""
-    path = tools_common.output_path(output_name)
+    path = common.output_path(output_name)
     if path.exists() and not overwrite:
         raise LycorisError("a file of this name exists; choose another name or allow overwriting", file=str(path))
 
 
 def run(parts: list[Side], options: dict, output_name: str, overwrite: bool, family: str | None,
         sources: list[dict]) -> ToolReport:
-    tensors, report, unchanged = extract_all(parts, options, tools_common.device())
+    tensors, report, unchanged = extract_all(parts, options, common.device())
     if not tensors:
         raise LycorisError("nothing to write: the tuned weights equal the base's"
                            + (" or every change is below skip_below" if report.not_written else ""))
@@ -168,7 +169,7 @@ def run(parts: list[Side], options: dict, output_name: str, overwrite: bool, fam
     metadata = tool_metadata("Extract LyCORIS", output_name, family, report.modules, sources,
                              "networks.lora" if plain else "lycoris.kohya",
                              options["algo"] if forms - {"full", "bias"} else "full", options["settings"])
-    report.file = tools_common.write_file(output_name, tensors, metadata, overwrite)
+    report.file = common.write_file(output_name, tensors, metadata, overwrite)
     dropped = [key for part in parts for key in part.dropped]
     if dropped:
         report.notes.append(f"not compared (ComfyUI neither loads nor saves them for this model): {', '.join(dropped)}")
@@ -203,8 +204,8 @@ class LycorisExtract(io.ComfyNode):
                 io.Float.Input("skip_below", default=0.0, min=0.0, max=10.0, step=0.0001,
                                tooltip="Weights whose relative change |W1 - W0| / |W0| is below this are not "
                                        "written (listed in the report). 0 writes every changed weight."),
-                tools_common.dtype_input(),
-                tools_common.output_name_input("lycoris/extracted"),
+                common.dtype_input(),
+                common.output_name_input("lycoris/extracted"),
                 io.Model.Input("model_base", optional=True,
                                tooltip="The base diffusion model. Give this or base_checkpoint, not both."),
                 io.Combo.Input("base_checkpoint", options=[NONE, *folder_paths.get_filename_list("checkpoints")],
@@ -219,9 +220,9 @@ class LycorisExtract(io.ComfyNode):
                 io.Int.Input("lokr_factor", default=-1, min=-1, max=4096, optional=True,
                              tooltip="LoKr only: LyCORIS' factor for splitting each dimension (-1: as square as "
                                      "possible)."),
-                tools_common.overwrite_input(),
+                common.overwrite_input(),
             ],
-            outputs=tools_common.report_outputs(),
+            outputs=common.report_outputs(),
         )
 
     @classmethod
@@ -267,8 +268,8 @@ def run_cli(args) -> ToolReport:
                            not args.no_bias, args.factor)
     check_output(args.output, args.overwrite)
     with_clip = not args.no_text_encoder
-    tuned, tuned_clip = tools_common.checkpoint(args.tuned, with_clip)
-    base, base_clip = tools_common.checkpoint(args.base, with_clip)
+    tuned, tuned_clip = common.checkpoint(args.tuned, with_clip)
+    base, base_clip = common.checkpoint(args.base, with_clip)
     parts = [Side("diffusion model", tuned, base, False, args.base)]
     if tuned_clip is not None and base_clip is not None:
         parts.append(Side("text encoder", tuned_clip.patcher, base_clip.patcher, True, args.base,

@@ -27,7 +27,7 @@ import torch
 from comfy.patcher_extension import PatcherInjection
 from comfy.quant_ops import QuantizedTensor
 
-from ..lycoris_core.bypass import (
+from ...lycoris_core.bypass import (
     Contribution,
     LayerOp,
     Prepared,
@@ -38,7 +38,7 @@ from ..lycoris_core.bypass import (
     prepare,
     reads_weight,
 )
-from ..lycoris_core.casting import cast
+from ...lycoris_core.casting import cast
 from . import gguf
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

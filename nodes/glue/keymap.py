@@ -17,15 +17,17 @@ does not map is reported, a name mapped to the wrong weight would be applied sil
 import functools
 import json
 import re
+import weakref
 from pathlib import Path
 
 import comfy.lora
 import comfy.utils
+import torch
 
 from . import gguf
 
 # ComfyUI's own key-map builders, as they were when the pack was imported: everywhere.py wraps the module's
-# attributes later, and its wrappers call into this module (through apply.lora_key_map) for the extra names.
+# attributes later, and its wrappers call into this module (through lora_key_map, at the end of this module) for the extra names.
 COMFY_BUILDERS = {False: comfy.lora.model_lora_keys_unet, True: comfy.lora.model_lora_keys_clip}
 
 UNET_PREFIXES = ("", "unet.", "base_model.model.", "unet.base_model.model.")
@@ -239,3 +241,28 @@ def extend(module, comfy_map: dict, is_clip: bool) -> dict:
     """ComfyUI's map plus the diffusers/PEFT names it lacks; ComfyUI's own entries are kept as they are."""
     extra = text_encoder_names(module, comfy_map) if is_clip else diffusion_model_names(module, comfy_map)
     return {**extra, **comfy_map}
+
+
+# Per model object: its LoRA key map and weight shapes. Building them walks the whole state dict and, for UNets,
+# ComfyUI's diffusers name table (~10 ms on SDXL, most of a bypass strength change). A loaded model never changes
+# its layers, and clones share the model object, so a weak cache by identity is exact and dies with the model.
+_key_maps: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_shapes: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def model_shapes(module) -> dict[str, tuple[int, ...]]:
+    """Every state-dict key's shape as the model uses it: a GGUF layer's state_dict() gives meta tensors of its
+    packed storage shape, so its weights' logical shapes are read off the weights themselves."""
+    if module not in _shapes:
+        shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        shapes.update({k: gguf.logical_shape(v) for k, v in module.named_parameters() if gguf.is_gguf_tensor(v)})
+        _shapes[module] = shapes
+    return _shapes[module]
+
+
+def lora_key_map(module, is_clip: bool) -> dict:
+    """ComfyUI's own map from file prefixes to this model's weight keys (model_lora_keys_unet / _clip), plus the
+    diffusers/PEFT names it lacks (derived from ComfyUI's own converters, above)."""
+    if module not in _key_maps:
+        _key_maps[module] = extend(module, COMFY_BUILDERS[is_clip](module, {}), is_clip)
+    return _key_maps[module]

@@ -8,11 +8,11 @@ Files apply in stack order, which matters for GLoRA (its change depends on the w
 import folder_paths
 from comfy_api.latest import io
 
-from ..lycoris_core import LycorisError
-from ..lycoris_core.block_weights import parse
-from .apply import apply_file, is_off
-from .cache import load_cached
-from .loaders import (
+from ...lycoris_core import LycorisError
+from ...lycoris_core.block_weights import parse
+from ..glue.apply import apply_file, is_off
+from ..glue.cache import load_cached
+from ..glue.inputs import (
     CATEGORY,
     DEFAULT_APPLY_MODE,
     apply_mode_input,

@@ -8,13 +8,19 @@ mapping, checks and adapters as the loaders; ComfyUI then scales them by the key
 import comfy.hooks
 from comfy_api.latest import io
 
-from ..lycoris_core import LycorisError, LycorisFile
-from ..lycoris_core.block_weights import BlockWeights, parse
-from .apply import by_block_weight, log, patcher_patches
-from .cache import load_cached
-from .loaders import CATEGORY, fingerprint_by_file, lycoris_input, lycoris_path, strength_input
-from .lora_files import validate_name
-from .weighting import BLOCK_WEIGHTS_TOOLTIP
+from ...lycoris_core import LycorisError, LycorisFile
+from ...lycoris_core.block_weights import BlockWeights, parse
+from ..glue.apply import by_block_weight, log, patcher_patches
+from ..glue.cache import load_cached
+from ..glue.inputs import (
+    BLOCK_WEIGHTS_TOOLTIP,
+    CATEGORY,
+    fingerprint_by_file,
+    lycoris_input,
+    lycoris_path,
+    strength_input,
+)
+from ..glue.lora_files import validate_name
 
 Hooks = io.Custom("HOOKS")
 HookKeyframes = io.Custom("HOOK_KEYFRAMES")

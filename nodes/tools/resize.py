@@ -11,16 +11,17 @@ from collections.abc import Mapping
 
 from comfy_api.latest import io
 
-from ..lycoris_core import LycorisError, LycorisFile
-from ..lycoris_core.tools import resize
-from ..lycoris_core.tools.lowrank import RULES
-from ..lycoris_core.tools.metadata import tool_metadata
-from .apply import map_file, model_family
-from .cache import load_cached
-from .loaders import fingerprint_by_file, lycoris_input, lycoris_path
-from .lora_files import validate_name
-from .report import _weight_fp32
-from .tools_common import (
+from ...lycoris_core import LycorisError, LycorisFile
+from ...lycoris_core.tools import resize
+from ...lycoris_core.tools.lowrank import RULES
+from ...lycoris_core.tools.metadata import tool_metadata
+from ..glue.apply import map_file
+from ..glue.cache import load_cached
+from ..glue.coverage import model_family
+from ..glue.inputs import fingerprint_by_file, lycoris_input, lycoris_path
+from ..glue.lora_files import validate_name
+from ..glue.report import _weight_fp32
+from .common import (
     CATEGORY,
     DTYPES,
     Progress,

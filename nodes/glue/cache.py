@@ -33,9 +33,9 @@ import comfy.lora_convert
 import folder_paths
 import psutil
 
-from ..lycoris_core import LycorisFile, SafetensorsFile, parse_state_dict
-from ..lycoris_core.peft_config import CONFIG_FILE, read_config
-from ..lycoris_core.safetensors_file import open_for_reading
+from ...lycoris_core import LycorisFile, SafetensorsFile, parse_state_dict
+from ...lycoris_core.peft_config import CONFIG_FILE, read_config
+from ...lycoris_core.safetensors_file import open_for_reading
 
 log = logging.getLogger("lycoris_nodes")
 

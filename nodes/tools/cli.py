@@ -8,7 +8,7 @@ import argparse
 import importlib
 import sys
 
-from ..lycoris_core import LycorisError
+from ...lycoris_core import LycorisError
 
 # command -> module in this package; each module documents its own options
 COMMANDS = {

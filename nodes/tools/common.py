@@ -14,9 +14,9 @@ import psutil
 import torch
 from comfy_api.latest import io
 
-from ..lycoris_core import LycorisError
-from ..lycoris_core.tools import writer
-from ..lycoris_core.tools.metadata import ModuleRecord
+from ...lycoris_core import LycorisError
+from ...lycoris_core.tools import writer
+from ...lycoris_core.tools.metadata import ModuleRecord
 
 CATEGORY = "loaders/lycoris/tools"
 MAX_LISTED = 20
@@ -212,7 +212,7 @@ NAME_PREFERENCE = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3
 
 
 def file_names(key_map: dict) -> dict[str, str]:
-    """ComfyUI weight key -> the module name a file written for it uses, from the model's LoRA key map (nodes/apply.py
+    """ComfyUI weight key -> the module name a file written for it uses, from the model's LoRA key map (nodes/glue/apply.py
     `lora_key_map`, which maps every name a loader accepts to its weight). Only names that map a whole weight (no
     offset into a fused one) qualify; among those, NAME_PREFERENCE decides, then the shortest name."""
     names: dict[str, str] = {}

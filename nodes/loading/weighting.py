@@ -2,16 +2,17 @@
 
 from comfy_api.latest import io
 
-from ..lycoris_core.block_weights import parse
-from .apply import map_file
-from .cache import load_cached
-from .loaders import (
+from ...lycoris_core.block_weights import parse
+from ..glue.apply import map_file
+from ..glue.cache import load_cached
+from ..glue.inputs import (
+    BLOCK_WEIGHTS_TOOLTIP,
     CATEGORY,
     DEFAULT_APPLY_MODE,
     apply_mode_input,
+    block_weights_input,
     clip_input,
     fingerprint_by_file,
-    load_and_apply,
     lycoris_input,
     lycoris_path,
     mode_input,
@@ -20,21 +21,10 @@ from .loaders import (
     node_key,
     strength_input,
 )
-from .lora_files import validate_name
+from ..glue.lora_files import validate_name
+from ..glue.report import block_changes, patchers_of, payload
+from .loaders import load_and_apply
 from .presets import CUSTOM, block_weight_text, preset_names
-from .report import block_changes, patchers_of, payload
-
-BLOCK_WEIGHTS_TOOLTIP = (
-    "Per-block multipliers on the strengths, by name: 'default=1; input_blocks.4-8=0.5; output_blocks.*=0; te=0.8'. "
-    "Names are the model's own key paths ('*' is any one part, 'a-b' an index range, 'te' the text encoders); the last "
-    "matching rule wins; 0 leaves a block untouched. A1111/Inspire LBW vectors (SD1.5: 17 or 26 numbers, SDXL: 12 or "
-    "20) work too. LyCORIS Block Info lists the blocks a file touches."
-)
-
-
-def block_weights_input() -> io.String.Input:
-    # Empty by default: a 'default=1' here would come after a preset's own 'default=…' and silently override it.
-    return io.String.Input("block_weights", multiline=True, default="", tooltip=BLOCK_WEIGHTS_TOOLTIP)
 
 
 def preset_input() -> io.Combo.Input:

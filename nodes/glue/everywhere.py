@@ -42,9 +42,11 @@ import comfy.sd
 import comfy.utils
 import folder_paths
 
-from ..lycoris_core import LycorisFile, parse_state_dict
+from ...lycoris_core import LycorisFile, parse_state_dict
 from . import cache
-from .apply import apply_file, build_patches, family_verdict, lora_key_map, model_shapes
+from .apply import apply_file, build_patches
+from .coverage import family_verdict
+from .keymap import lora_key_map, model_shapes
 
 log = logging.getLogger("lycoris_nodes")
 

@@ -4,12 +4,12 @@ import json
 
 from comfy_api.latest import io
 
-from ..lycoris_core.summary import summarize
-from . import cache
-from .apply import map_file
-from .loaders import CATEGORY, fingerprint_by_file, lycoris_input, lycoris_path
-from .lora_files import validate_name
-from .report import block_changes, patchers_of, payload
+from ...lycoris_core.summary import summarize
+from ..glue import cache
+from ..glue.apply import map_file
+from ..glue.inputs import CATEGORY, fingerprint_by_file, lycoris_input, lycoris_path
+from ..glue.lora_files import validate_name
+from ..glue.report import block_changes, patchers_of, payload
 
 # What a person reads first, in this order; the long lists come last, one entry per line.
 _FIRST = ("line", "verdict", "applied", "total", "warnings", "not_listed")

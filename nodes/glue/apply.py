@@ -7,19 +7,14 @@ is half-applied: every module is checked against its target weight before any pa
 import difflib
 import logging
 import uuid
-import weakref
-from collections import Counter
-from dataclasses import dataclass, field
 
 import comfy.utils
 import torch
 
-from ..lycoris_core import LycorisError, LycorisFile, Module, Plan
-from ..lycoris_core.block_weights import BlockWeights
-from ..lycoris_core.bypass import reads_weight
-from ..lycoris_core.lycoris_file import option_warnings
-from ..lycoris_core.summary import declared_family, family_id, infer_family
-from . import gguf, keymap
+from ...lycoris_core import LycorisError, LycorisFile, Module, Plan
+from ...lycoris_core.block_weights import BlockWeights
+from ...lycoris_core.bypass import reads_weight
+from ...lycoris_core.lycoris_file import option_warnings
 from .adapter import LycorisAdapter
 from .bypass import (
     bypassed_layers,
@@ -33,88 +28,25 @@ from .bypass import (
     storage_format,
     wants_bypass,
 )
+from .coverage import (
+    MAX_LISTED,
+    NO_CLIP,
+    NO_MODEL,
+    TEXT_ENCODER_PREFIXES,
+    Applied,
+    ApplyReport,
+    Target,
+    family_verdict,
+    model_family,
+    nothing_applied_error,
+    rounded_merge_warning,
+)
+from .keymap import lora_key_map, model_shapes
 
 log = logging.getLogger("lycoris_nodes")
 
-# Prefixes trainers use for text-encoder modules: explains a miss when no CLIP is connected.
-TEXT_ENCODER_PREFIXES = ("lora_te", "lora_prior_te", "text_encoder", "text_encoders.", "te_", "te1_", "te2_")
-NO_CLIP = "text-encoder module, but no CLIP is connected"
-NO_MODEL = "diffusion-model module, but no MODEL is connected"
-MAX_LISTED = 20
-AT_WEIGHT_CAST = "int8 layers ComfyUI runs without their forward"
 CONVERTED_WEIGHT = ("ComfyUI stores this parameter converted (its converter function reorders it) and converts only "
                     "a change back; this module's change reads the parameter in the file's layout: not applied")
-
-
-@dataclass(frozen=True)
-class Target:
-    side: str  # "model" or "clip"
-    patch_key: object  # what add_patches takes: "key" or (key, offset[, function])
-    shape: tuple[int, ...]
-
-    @property
-    def key(self) -> str:
-        return self.patch_key if isinstance(self.patch_key, str) else self.patch_key[0]
-
-    @property
-    def offset(self):
-        return None if isinstance(self.patch_key, str) else self.patch_key[1]
-
-
-@dataclass(frozen=True)
-class Applied:
-    target: Target
-    plan: Plan
-    module: Module
-
-
-def by_count(counter: Counter) -> list[tuple[str, int]]:
-    """Most frequent first, ties by name: the same line for the same model whatever order its layers were met in."""
-    return sorted(counter.items(), key=lambda item: (-item[1], item[0]))
-
-
-@dataclass
-class ApplyReport:
-    file: str
-    total: int
-    applied: dict[str, str] = field(default_factory=dict)  # module key -> model key
-    labels: Counter = field(default_factory=Counter)
-    problems: list[tuple[str, str]] = field(default_factory=list)  # (module key, reason)
-    unused_keys: list[tuple[str, str]] = field(default_factory=list)
-    params_total: int = 0
-    params_applied: int = 0
-    verdict: str = ""  # one sentence when the file does not look made for this model
-    bypassed: int = 0  # patches run in the layers' forward instead of merged (apply_mode bypass/auto)
-    # ... of which added to the weight when ComfyUI casts it, on int8 layers it multiplies without their forward
-    at_weight_cast: int = 0
-    bypassed_formats: Counter = field(default_factory=Counter)  # bypassed weights not stored as plain float
-    merged_rounded: Counter = field(default_factory=Counter)  # merged weights whose storage re-rounds W+dW
-    warnings: list[str] = field(default_factory=list)  # what the loader assumed where the file says nothing
-    targets: dict[str, Applied] = field(default_factory=dict, repr=False)
-
-    def line(self) -> str:
-        algos = ", ".join(f"{label} {n}" for label, n in self.labels.most_common())
-        share = f", {100 * self.params_applied / self.params_total:.0f}% of parameters" if self.params_total else ""
-        bypass = f", {self.bypassed} in bypass" if self.bypassed else ""
-        if self.at_weight_cast:
-            bypass += f", {self.at_weight_cast} of them added at the weight cast ({AT_WEIGHT_CAST})"
-        if self.bypassed_formats:
-            bypass += "; " + ", ".join(f"{fmt}: {n} bypassed" for fmt, n in by_count(self.bypassed_formats))
-        return (f"{self.file}: {len(self.applied)}/{self.total} modules applied"
-                + (f" ({algos}{share}{bypass})" if algos else "") + (f". {self.verdict}" if self.verdict else ""))
-
-    def details(self) -> str:
-        rows = [f"  {key}: {reason}" for key, reason in self.problems + self.unused_keys]
-        more = f"\n  … and {len(rows) - MAX_LISTED} more" if len(rows) > MAX_LISTED else ""
-        return "\n".join(rows[:MAX_LISTED]) + more
-
-    def to_json(self) -> dict:
-        return {"file": self.file, "line": self.line(), "applied": len(self.applied), "total": self.total,
-                "algorithms": dict(self.labels.most_common()), "params_applied": self.params_applied,
-                "params_total": self.params_total, "verdict": self.verdict, "bypassed": self.bypassed,
-                "at_weight_cast": self.at_weight_cast, "bypassed_formats": dict(by_count(self.bypassed_formats)),
-                "warnings": list(self.warnings),
-                "problems": [list(p) for p in self.problems], "unused_keys": [list(u) for u in self.unused_keys]}
 
 
 def _narrowed(shape: tuple[int, ...], offset) -> tuple[int, ...]:
@@ -225,57 +157,6 @@ def build_patches(lfile: LycorisFile, key_map: dict, shapes: dict[str, dict], re
     return patches, report
 
 
-def family_verdict(lfile: LycorisFile, report: ApplyReport, model_family: str | None) -> str:
-    """One sentence when the file does not fit and looks made for another model family than this model's.
-
-    Modules missing only because no CLIP is connected are not a misfit, and a file of this model's own family gets
-    no verdict whatever else went wrong (its problems are listed one by one instead).
-    """
-    misfits = [key for key, reason in report.problems if reason not in (NO_CLIP, NO_MODEL)]
-    if len(misfits) < len(report.applied):
-        return ""
-    declared = declared_family(lfile.metadata)
-    inferred = infer_family({m.prefix: m.layout.flat_in for m in lfile.modules.values()})
-    file_ids = {family_id(declared), family_id(inferred)} - {None}
-    model_id = family_id(model_family)
-    if model_id is not None and model_id in file_ids:
-        return ""
-    if not file_ids and report.applied:
-        return ""  # nothing says it is for another model: the problems list speaks for itself
-    made_for = " / ".join(dict.fromkeys(x for x in (declared, inferred) if x)) or "another model"
-    return f"This file looks made for {made_for}, not for this {model_family or 'model'}."
-
-
-def model_family(model) -> str | None:
-    config = getattr(model.model, "model_config", None) if model is not None else None
-    return type(config).__name__ if config is not None else None
-
-
-# Per model object: its LoRA key map and weight shapes. Building them walks the whole state dict and, for UNets,
-# ComfyUI's diffusers name table (~10 ms on SDXL, most of a bypass strength change). A loaded model never changes
-# its layers, and clones share the model object, so a weak cache by identity is exact and dies with the model.
-_key_maps: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-_shapes: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-
-
-def model_shapes(module) -> dict[str, tuple[int, ...]]:
-    """Every state-dict key's shape as the model uses it: a GGUF layer's state_dict() gives meta tensors of its
-    packed storage shape, so its weights' logical shapes are read off the weights themselves."""
-    if module not in _shapes:
-        shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-        shapes.update({k: gguf.logical_shape(v) for k, v in module.named_parameters() if gguf.is_gguf_tensor(v)})
-        _shapes[module] = shapes
-    return _shapes[module]
-
-
-def lora_key_map(module, is_clip: bool) -> dict:
-    """ComfyUI's own map from file prefixes to this model's weight keys (model_lora_keys_unet / _clip), plus the
-    diffusers/PEFT names it lacks (derived from ComfyUI's own converters, see keymap.py)."""
-    if module not in _key_maps:
-        _key_maps[module] = keymap.extend(module, keymap.COMFY_BUILDERS[is_clip](module, {}), is_clip)
-    return _key_maps[module]
-
-
 def map_file(lfile: LycorisFile, model, clip, reference: bool) -> tuple[dict[str, dict], ApplyReport]:
     """Patches per side and the coverage report for this file on this model/clip (nothing is patched yet)."""
     key_map, shapes = {}, {}
@@ -309,14 +190,6 @@ def by_block_weight(patches: dict, weights: BlockWeights) -> dict[float, dict]:
         groups.setdefault(weights.weight_for(key), {})[patch_key] = adapter
     groups.pop(0.0, None)
     return groups
-
-
-def nothing_applied_error(report: ApplyReport) -> LycorisError:
-    reasons = Counter(reason.split(";")[0] for _, reason in report.problems).most_common(1)
-    examples = ", ".join(key for key, _ in report.problems[:3])
-    return LycorisError(
-        f"none of its {report.total} modules fit this model. {report.verdict or ''} "
-        f"Most common reason: {reasons[0][0] if reasons else 'none'}. Examples: {examples}", file=report.file)
 
 
 def apply_file(lfile: LycorisFile, model, clip, strength_model: float, strength_clip: float, reference: bool,
@@ -377,13 +250,6 @@ def record_source(target, source: dict) -> None:
 def sources_of(target) -> tuple[dict, ...]:
     patcher = getattr(target, "patcher", target)
     return tuple(patcher.model_options.get(SOURCES, ()))
-
-
-def rounded_merge_warning(merged_rounded: Counter, apply_mode: str) -> str:
-    formats = ", ".join(f"{fmt} {n}" for fmt, n in by_count(merged_rounded))
-    hint = "; apply_mode auto keeps it exact (the change runs in those layers' forward)" if apply_mode == "merge" else ""
-    return (f"{sum(merged_rounded.values())} patches were merged into quantized weights ({formats}): the merge "
-            f"re-rounds W+dW to the stored format, so part of the change is lost{hint}")
 
 
 def is_off(strength: float, reference: bool) -> bool:

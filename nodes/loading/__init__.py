@@ -1,0 +1,1 @@
+"""Loader nodes, block weights and their presets."""

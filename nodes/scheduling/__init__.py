@@ -1,0 +1,1 @@
+"""Several files at once (stacks) and strengths over the sampling steps (hooks)."""

@@ -1,0 +1,1 @@
+"""The tool nodes (Save, Resize, Extract, Convert) and their command line."""
