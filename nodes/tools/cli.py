@@ -12,10 +12,10 @@ from ...lycoris_core import LycorisError
 
 # command -> module in this package; each module documents its own options
 COMMANDS = {
-    "save": ".tool_save",
-    "resize": ".tool_resize",
-    "extract": ".tool_extract",
-    "convert": ".tool_convert",
+    "save": ".save",
+    "resize": ".resize",
+    "extract": ".extract",
+    "convert": ".convert",
 }
 
 
