@@ -15,7 +15,7 @@ export COMFY
 PY := $(VENV)/bin/python
 PYTEST_FLAGS ?=
 
-.PHONY: setup test demo lint bench
+.PHONY: setup test demo lint bench gpu-kit
 
 setup:
 	bash scripts/setup.sh
@@ -34,3 +34,10 @@ lint: setup
 # Issue #5 benchmark (not a test): `make bench QUICK=1` is the under-5-minute version.
 bench: setup
 	$(PY) bench/run.py $(if $(QUICK),--quick,)
+
+# Issue #26: the GPU evidence kit, dist/gpu-kit/ (< 60 MB), for an NVIDIA machine without internet. Built with
+# ComfyUI 0.33's venv (it reads the lock with `packaging` and downloads the wheels from PyPI). On the GPU machine:
+# `bash dist/gpu-kit/run.sh`; anywhere: `bash dist/gpu-kit/run.sh --dry-run` (docs/gpu-kit.md).
+gpu-kit:
+	$(MAKE) setup COMFY=0.33
+	.venv-0.33/bin/python gpu_kit/build.py

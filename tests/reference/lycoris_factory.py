@@ -440,7 +440,7 @@ def _randomise(net, gen: torch.Generator) -> None:
             elif name == "rescale":
                 value = randn(0.1, 1.0)
             elif name == "dora_scale":
-                value = p.detach().float() * randn(0.1, 1.0)
+                value = p.detach().float().cpu() * randn(0.1, 1.0)  # the CPU generator's values, any device
             elif name == "scalar":
                 value = torch.full(shape, 0.5)  # a power of two: the folded lora_up·scalar stays exact
             elif kind == "IA3Module":

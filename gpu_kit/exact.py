@@ -1,0 +1,176 @@
+"""Section 2 (and the dynamic VRAM half of it): every LyCORIS algorithm variant × fp16/bf16/fp8 bases × a load
+(full, lowvram, dynamic VRAM) × merge/bypass, on an SDXL-size and a Flux-size layer set, against the reference.
+
+Each case applies the reference's file through the loader's code path (`apply_file`: key map, coverage, patches,
+bypass injections), loads the patched model the way ComfyUI does for that load, runs every targeted layer on the
+device and judges its output with `truth.judge`. The case passes when every layer does.
+"""
+
+import itertools
+import tempfile
+import time
+from pathlib import Path
+
+import comfy.model_patcher
+import torch
+from lycoris_nodes.lycoris_core import load
+from lycoris_nodes.nodes.glue.apply import apply_file
+
+from . import models, truth
+from .models import FP8
+from .report import Case
+
+STORAGES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8_e4m3fn": FP8}
+MODES = ("merge", "bypass")
+STRENGTH = 0.75  # linear strength: every algorithm scaled, not just switched on
+TOKENS = 64
+
+
+def make_patcher(root: torch.nn.Module, device, dynamic: bool):
+    cls = comfy.model_patcher.ModelPatcherDynamic if dynamic else comfy.model_patcher.ModelPatcher
+    return cls(root, load_device=device, offload_device=torch.device("cpu"))
+
+
+def load_patched(patched, device, load: str) -> None:
+    """Load as ComfyUI does: everything on the device (full), every layer left offloaded and patched as it is cast
+    (lowvram: LowVramPatch), or comfy-aimdo's dynamic VRAM (partially_load on a ModelPatcherDynamic)."""
+    if load == "full":
+        patched.patch_model(device_to=device, lowvram_model_memory=0)
+    elif load == "lowvram":
+        patched.patch_model(device_to=device, lowvram_model_memory=1)
+    else:
+        patched.partially_load(device)
+
+
+def unload(patched, load: str) -> None:
+    if load == "dynamic":
+        patched.detach(unpatch_all=True)
+    else:
+        patched.unpatch_model(device_to=torch.device("cpu"))
+
+
+def plan(dry_run: bool, loads: tuple[str, ...]) -> list[tuple]:
+    """(variant, set, storage, load, mode) in the order they run: per variant, per set and storage (one reference
+    file and truth), every load and mode. A budget cut thus leaves whole variants untested, named in the report.
+    A dry run: each variant once per set, the combinations taken in turn so that every one of them runs."""
+    combos = list(itertools.product(STORAGES, loads, MODES))
+    variants = truth.variants()
+    if dry_run:
+        return [(v, s, *combos[(i + j) % len(combos)]) for i, v in enumerate(variants)
+                for j, s in enumerate(models.SETS)]
+    return [(v, s, storage, load, mode) for v in variants for s in models.SETS for storage in STORAGES
+            for load in loads for mode in MODES]
+
+
+class Bench:
+    """Per (set, storage): the specs, the stored parameters (float64), the patcher of the stored model and the probe
+    inputs, made on first use. Per (variant, set, storage): the reference's file and each layer's expected outputs,
+    only the latest kept (the plan uses each one for consecutive cases)."""
+
+    def __init__(self, env, directory: Path, dynamic: bool):
+        self.env, self.directory, self.dynamic = env, directory, dynamic
+        self._sets: dict = {}
+        self._expected: tuple = (None, None)
+
+    def set(self, name: str, storage):
+        key = (name, storage)
+        if key not in self._sets:
+            specs = models.layer_specs(name, tiny=self.env.dry_run)
+            master = models.master_weights(specs, seed=sum(map(ord, name)))
+            root = models.layer_set(name, specs, master, storage, self.env.device)
+            compute = models.compute_dtype(storage)
+            inputs = {s.path: models.probe_input(s, TOKENS, compute, self.env.device) for s in specs}
+            self._sets[key] = (specs, truth.stored_params(specs, master, storage),
+                               make_patcher(root, self.env.device, self.dynamic), inputs)
+        return self._sets[key]
+
+    def expected(self, variant, name: str, storage) -> "Expected":
+        key = (variant.id, name, storage)
+        if self._expected[0] != key:
+            self._expected = (None, None)  # the previous one's device memory goes first
+            self._expected = (key, self._make(variant, name, storage))
+        return self._expected[1]
+
+    def _make(self, variant, name: str, storage) -> "Expected":
+        """The reference's file for the variant's layers of the set, and per layer (y*, y°, y of the base) at
+        STRENGTH. When the reference cannot make the network for all of them (BOFT factors only some widths),
+        each layer is tried alone and those it cannot do are left out, with the reason."""
+        specs, base, _, inputs = self.set(name, storage)
+        chosen = truth.targets(variant, specs)
+        seed = truth.factory.SEED + sum(map(ord, variant.id))
+
+        def make(layers):
+            return truth.make(variant, layers, base, self.env.device, self.directory, seed)
+
+        left_out = {}
+        if not chosen:
+            return Expected(None, {}, left_out, chosen)
+        try:
+            made = make(chosen)
+        except Exception:  # noqa: BLE001 - which layers it cannot do is found out below, and reported
+            for spec in chosen:
+                try:
+                    make([spec])
+                except Exception as e:  # noqa: BLE001 - the reference's own limit for this layer, reported
+                    left_out[spec.path] = f"{type(e).__name__}: {e}"
+            chosen = [s for s in chosen if s.path not in left_out]
+            made = make(chosen) if chosen else None
+        outputs = {}
+        for spec in chosen:
+            x, params = inputs[spec.path], made.params(spec.path, STRENGTH)
+            outputs[spec.path] = (truth.true_output(spec, x, params), truth.ideal_output(spec, x, params, storage),
+                                  truth.true_output(spec, x, made.base[spec.path]))
+        return Expected(made.path if made else None, outputs, left_out, chosen)
+
+
+class Expected:
+    def __init__(self, path, outputs: dict, left_out: dict, chosen: list):
+        self.path, self.outputs, self.left_out, self.chosen = path, outputs, left_out, chosen
+
+
+def run_case(bench: Bench, variant, set_name: str, storage_name: str, load_kind: str, mode: str) -> Case:
+    storage = STORAGES[storage_name]
+    case_id = f"{set_name}/{variant.id}/{storage_name}/{load_kind}/{mode}"
+    _, _, base, inputs = bench.set(set_name, storage)
+    expected = bench.expected(variant, set_name, storage)
+    if expected.path is None:
+        why = next(iter(expected.left_out.values()), "the reference makes this variant for none of the set's layers")
+        return Case(case_id, "skip", detail=f"the reference cannot make it: {why}" if expected.left_out else why)
+    patched, _, report = apply_file(load(expected.path), base, None, STRENGTH, 0.0, False, None, mode)
+    started = time.perf_counter()
+    load_patched(patched, bench.env.device, load_kind)
+    layers = {}
+    try:
+        with torch.no_grad():
+            for path, (y_true, y_ideal, y_base) in expected.outputs.items():
+                y = patched.model.get_submodule(f"diffusion_model.{path}")(inputs[path])
+                layers[path] = truth.judge(y, y_true, y_ideal, y_base)
+    finally:
+        unload(patched, load_kind)
+    seconds = time.perf_counter() - started
+    worst = max(layers.values(), key=lambda v: v["ratio"])
+    ok = all(v["ok"] for v in layers.values()) and len(report.applied) == report.total
+    numbers = {"layers": len(layers), "applied": len(report.applied), "bypassed": report.bypassed,
+               "worst_ratio": worst["ratio"], "worst_error": worst["error"], "ideal_error": worst["ideal_error"],
+               "change": min(v["change"] for v in layers.values()), "seconds": seconds}
+    failed = [p for p, v in layers.items() if not v["ok"]]
+    problem = "" if ok else (f"layers off the truth: {failed}" if failed else f"not every module applied: {report.line()}")
+    left_out = expected.left_out
+    skipped = f"the reference cannot make {sorted(left_out)}: {next(iter(left_out.values()))}" if left_out else ""
+    return Case(case_id, "pass" if ok else "fail", numbers, "; ".join(part for part in (problem, skipped) if part))
+
+
+def run(env, clock, loads: tuple[str, ...]) -> list[Case]:
+    cases = []
+    with tempfile.TemporaryDirectory(dir=env.work) as tmp:
+        bench = Bench(env, Path(tmp), dynamic=loads == ("dynamic",))
+        for item in plan(env.dry_run, loads):
+            if clock.out():
+                cases.append(Case("/".join((item[1], item[0].id, *item[2:])), "not-run", detail="time budget spent"))
+                continue
+            try:
+                cases.append(run_case(bench, *item))
+            except Exception as e:  # noqa: BLE001 - one case's crash is its failure, reported with the traceback
+                cases.append(Case("/".join((item[1], item[0].id, *item[2:])), "error",
+                                  detail=f"{type(e).__name__}: {e}", trace=True))
+    return cases
