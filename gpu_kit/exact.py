@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import comfy.model_management
 import comfy.model_patcher
 import torch
 from lycoris_nodes.lycoris_core import load
@@ -33,18 +34,19 @@ def make_patcher(root: torch.nn.Module, device, dynamic: bool):
 
 def load_patched(patched, device, load: str) -> None:
     """Load as ComfyUI does: everything on the device (full), every layer left offloaded and patched as it is cast
-    (lowvram: LowVramPatch), or comfy-aimdo's dynamic VRAM (partially_load on a ModelPatcherDynamic)."""
+    (lowvram: LowVramPatch; the budget forced to nothing, as a GPU too small for the model has), or dynamic VRAM
+    through ComfyUI's own model management (load_models_gpu, which loads a ModelPatcherDynamic with comfy-aimdo)."""
     if load == "full":
         patched.patch_model(device_to=device, lowvram_model_memory=0)
     elif load == "lowvram":
         patched.patch_model(device_to=device, lowvram_model_memory=1)
     else:
-        patched.partially_load(device)
+        comfy.model_management.load_models_gpu([patched])
 
 
 def unload(patched, load: str) -> None:
     if load == "dynamic":
-        patched.detach(unpatch_all=True)
+        comfy.model_management.unload_all_models()
     else:
         patched.unpatch_model(device_to=torch.device("cpu"))
 

@@ -168,17 +168,20 @@ def strength_change(scene: Scene, load_kind: str, variant_id: str = "locon_dora_
     cases, previous = [], None
     for run, strength in enumerate((1.0, 0.5, 1.0)):
         patched, _, _ = apply_file(lfile, scene.base, None, strength, 0.0, False, None, "merge")
-        if previous is not None:
+        if load_kind == "dynamic":  # load_models_gpu swaps the clones itself
+            load_patched(patched, scene.env.device, "dynamic")
+        elif previous is None:
+            load_patched(patched, scene.env.device, "lowvram")
+        else:  # what load_models_gpu does in lowvram: the loaded clone detached, the new one partially loaded
             previous.detach(unpatch_all=False)
-        if load_kind == "lowvram":
-            patched.partially_load(scene.env.device, extra_memory=1) if previous else \
-                load_patched(patched, scene.env.device, "lowvram")
-        else:
-            load_patched(patched, scene.env.device, load_kind)
+            patched.partially_load(scene.env.device, extra_memory=1)
         verdicts = scene.outputs(patched, t, strength)
         cases.append(summary(f"c/strength-change/{load_kind}/{variant_id}/run{run + 1}-m{strength}", verdicts))
         previous = patched
-    previous.detach(unpatch_all=True)
+    if load_kind == "dynamic":
+        unload(previous, "dynamic")
+    else:
+        previous.detach(unpatch_all=True)
     after = scene.base.model.state_dict()
     restored = all(torch.equal(before[k].view(torch.uint8) if before[k].dtype == FP8 else before[k],
                                after[k].to(before[k].device).view(torch.uint8) if before[k].dtype == FP8
