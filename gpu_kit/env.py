@@ -46,11 +46,17 @@ def _enable_dynamic_vram() -> str | None:
     import comfy.model_management
     import comfy.model_patcher
     import comfy_aimdo.control
+    from comfy.cli_args import args
 
+    if not comfy.model_management.is_nvidia():
+        return "dynamic VRAM is ComfyUI's default on NVIDIA GPUs only"
+    if comfy.model_management.torch_version_numeric < (2, 8):
+        return "dynamic VRAM needs PyTorch 2.8 or newer"
     devices = comfy.model_management.get_all_torch_devices()
+    headroom = int((getattr(args, "vram_headroom", 0) or 0) * 1024 ** 3)
     try:
-        ok = comfy_aimdo.control.init_devices((d.index, 0) for d in devices)
-    except TypeError:
+        ok = comfy_aimdo.control.init_devices((d.index, headroom) for d in devices)
+    except TypeError:  # comfy-aimdo 0.4.9's protocol, as main.py falls back to it
         ok = comfy_aimdo.control.init_devices(d.index for d in devices)
     if not ok:
         return "comfy_aimdo.control.init_devices() found no working device"

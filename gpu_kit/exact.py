@@ -125,6 +125,16 @@ class Bench:
         return Expected(made.path if made else None, outputs, left_out, chosen)
 
 
+def fake_cuda_forward(layer: torch.nn.Module, x: torch.Tensor) -> bool:
+    """A dry run's GPU half: the offloaded layer (weights, patches and adapters on the CPU) run on a FakeTensor
+    cuda:0 input, as a GPU runs it. Anything left on the wrong device raises torch's real device-mismatch error."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        y = layer(torch.empty(x.shape, dtype=x.dtype, device="cuda:0"))
+        return y.device == torch.device("cuda:0") and y.dtype == x.dtype
+
+
 class Expected:
     def __init__(self, path, outputs: dict, left_out: dict, chosen: list):
         self.path, self.outputs, self.left_out, self.chosen = path, outputs, left_out, chosen
@@ -145,8 +155,11 @@ def run_case(bench: Bench, variant, set_name: str, storage_name: str, load_kind:
     try:
         with torch.no_grad():
             for path, (y_true, y_ideal, y_base) in expected.outputs.items():
-                y = patched.model.get_submodule(f"diffusion_model.{path}")(inputs[path])
+                layer = patched.model.get_submodule(f"diffusion_model.{path}")
+                y = layer(inputs[path])
                 layers[path] = truth.judge(y, y_true, y_ideal, y_base)
+                if bench.env.dry_run and load_kind == "lowvram":
+                    layers[path]["ok"] &= fake_cuda_forward(layer, inputs[path])
     finally:
         unload(patched, load_kind)
     seconds = time.perf_counter() - started

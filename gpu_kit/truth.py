@@ -177,7 +177,9 @@ def make(variant, chosen: list[LayerSpec], base: dict, device, directory: Path, 
         snapshot = factory._snapshot(net)
         factory._apply(net)
         path = directory / f"{variant.id}-{seed}.safetensors"
+        net.cpu()  # saved from the CPU, as a trainer saves
         net.save_weights(str(path), variant.save_dtype, {})
+        net.to(device)
         if variant.truth != "forward":  # the reference's own reading of the saved (rounded) file, on a fresh copy
             model = reference_model(chosen, base, container, device)
             net = _prefixed(factory._truth_network, named, model, snapshot, path, directory)

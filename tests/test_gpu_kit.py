@@ -121,6 +121,14 @@ def test_an_exactness_case_fails_when_a_module_is_not_applied(bench, monkeypatch
     assert case.status == "fail", case
 
 
+def test_the_fake_cuda_forward_raises_on_a_layer_left_on_the_cpu():
+    """The dry run's device check can fail: a plain layer (weights on the CPU, nothing casting them) fed a cuda:0
+    input raises torch's own device-mismatch error, as on a GPU."""
+    layer = torch.nn.Linear(8, 4)
+    with pytest.raises(RuntimeError, match="same device|device"):
+        exact.fake_cuda_forward(layer, torch.randn(2, 8))
+
+
 def test_the_dry_run_plan_covers_every_variant_and_combination():
     plan = exact.plan(True, ("full", "lowvram"))
     assert {item[0].id for item in plan} == {v.id for v in truth.variants()}
