@@ -90,6 +90,7 @@ def setup(comfyui: Path, pack: Path, dry_run: bool, dynamic: bool = False) -> En
         why_not = _enable_dynamic_vram()
     _import_pack(pack)
     logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger(PACK_NAME).setLevel(logging.ERROR)  # its expected warnings (fp8 merges...): the report says it
     device = torch.device("cpu") if dry_run else comfy.model_management.get_torch_device()
     return Env(dry_run=dry_run, device=device, dynamic_vram=dynamic and why_not is None,
                why_not_dynamic="" if why_not is None else why_not)

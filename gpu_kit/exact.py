@@ -169,7 +169,8 @@ def run_case(bench: Bench, variant, set_name: str, storage_name: str, load_kind:
                "worst_ratio": worst["ratio"], "worst_error": worst["error"], "ideal_error": worst["ideal_error"],
                "change": min(v["change"] for v in layers.values()), "seconds": seconds}
     failed = [p for p, v in layers.items() if not v["ok"]]
-    problem = "" if ok else (f"layers off the truth: {failed}" if failed else f"not every module applied: {report.line()}")
+    problem = "" if ok else (f"layers off the truth: {failed}" if failed
+                             else f"not every module applied: {report.line()}")
     left_out = expected.left_out
     skipped = f"the reference cannot make {sorted(left_out)}: {next(iter(left_out.values()))}" if left_out else ""
     return Case(case_id, "pass" if ok else "fail", numbers, "; ".join(part for part in (problem, skipped) if part))

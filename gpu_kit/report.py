@@ -124,7 +124,8 @@ def by_combination(cases: list[dict]) -> list[str]:
     for c in cases:
         parts = c["id"].split("/")
         groups.setdefault("/".join(parts[:1] + parts[2:]), []).append(c)
-    lines = ["| set/dtype/load/mode | pass | fail or error | skip | not run | worst ratio |", "|---|---|---|---|---|---|"]
+    lines = ["| set/dtype/load/mode | pass | fail or error | skip | not run | worst ratio |",
+             "|---|---|---|---|---|---|"]
     for key, group in groups.items():
         ratios = [c["numbers"]["worst_ratio"] for c in group if "worst_ratio" in c["numbers"]]
         count = {s: sum(c["status"] == s for c in group) for s in STATUSES}

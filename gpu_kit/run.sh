@@ -11,8 +11,7 @@
 #   PYTHON=python3.12      the Python that has the CUDA PyTorch (torch, torchvision) installed
 #   KIT_WORK=DIR           the private folder everything is installed into (default: <kit>/work); nothing is
 #                          installed system-wide, and deleting that folder undoes the kit completely
-#   KIT_NO_INSTALL=1       use $PYTHON's environment as it is (it must already have what requirements.txt lists):
-#                          CI's dry run, whose Python is not the kit's 3.12
+#   KIT_NO_INSTALL=1       use $PYTHON's environment as it is (it must already have what requirements.txt lists)
 set -euo pipefail
 
 KIT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -21,7 +20,8 @@ WORK="${KIT_WORK:-$KIT/work}"
 say() { echo "gpu-kit: $*" >&2; }
 
 command -v "$PYTHON" >/dev/null || { say "no $PYTHON: set PYTHON to the Python with the CUDA PyTorch"; exit 2; }
-"$PYTHON" -c 'import torch' 2>/dev/null || { say "$PYTHON cannot import torch: set PYTHON to the Python with the CUDA PyTorch"; exit 2; }
+"$PYTHON" -c 'import torch' 2>/dev/null \
+    || { say "$PYTHON cannot import torch: set PYTHON to the Python with the CUDA PyTorch"; exit 2; }
 mkdir -p "$WORK"
 
 # ComfyUI 0.33.0, unpacked once (a stamp names the tarball it came from).
@@ -38,12 +38,20 @@ fi
 if [[ "${KIT_NO_INSTALL:-0}" == 1 ]]; then
     RUN_PY="$PYTHON"
 else
-    # A venv that sees the image's torch (--system-site-packages) and gets the rest from the kit's wheels only.
+    # A venv of the kit's own that also sees $PYTHON's packages (the image's torch and pip), after its own: a .pth
+    # listing $PYTHON's site-packages. (--system-site-packages would not: it means the base interpreter's, and a
+    # CUDA PyTorch often lives in a venv or a conda env.) No pip of its own (--without-pip): ensurepip's bundled
+    # setuptools would shadow the image's newer one that torch requires. The rest comes from the kit's wheels only.
     if [[ ! -x "$WORK/venv/bin/python" ]]; then
-        "$PYTHON" -m venv --system-site-packages "$WORK/venv" \
+        "$PYTHON" -m venv --without-pip "$WORK/venv" \
             || { say "python -m venv failed (Debian/Ubuntu: apt install python3-venv)"; exit 2; }
+        VENV_SITE="$("$WORK/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+        "$PYTHON" -c 'import sys
+print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
+            > "$VENV_SITE/gpu_kit_image.pth"
     fi
     RUN_PY="$WORK/venv/bin/python"
+    "$RUN_PY" -m pip --version >/dev/null 2>&1 || { say "$PYTHON has no pip to install the kit's wheels with"; exit 2; }
     if [[ ! -d "$WORK/wheels" ]]; then
         "$RUN_PY" -c 'import sys, tarfile
 with tarfile.open(sys.argv[1]) as tar:

@@ -9,8 +9,8 @@ scales LoHa/LoKr twice, spec 4.1). At linear strength m the truth is P + m·(P1 
 
 Two outputs per layer then judge a patched model: the truth y* (float64), and the ideal y° (the best any
 implementation can do in the model's dtypes: the true parameters rounded once to the stored dtype, the forward
-computed in the compute dtype on the same device). A layer passes when ‖y − y*‖ ≤ 2·‖y° − y*‖: an error of one
-rounding (ComfyUI rounds fp8 stochastically: √2 on average), not the size of the change.
+computed in the compute dtype on the same device). A layer passes when ‖y − y*‖ ≤ 2·‖y° − y*‖: an error of
+one rounding (ComfyUI rounds fp8 stochastically: √2 on average), not the size of the change.
 """
 
 import contextlib

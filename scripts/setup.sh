@@ -52,7 +52,7 @@ fi
 stamp_inputs() {
     cat "$ROOT/scripts/setup.sh" "$ROOT/requirements-dev.txt"
     echo "comfy=$COMFY_DIR"
-    if [[ "$COMFY" == 0.33 ]]; then sha256sum "$COMFY_TARBALL" | cut -c1-64; fi
+    if [[ "$COMFY" == 0.33 ]]; then sha256sum "$COMFY_TARBALL" | cut -c1-64; cat "$ROOT/gpu_kit/wheels.lock"; fi
     # An external checkout's requirements can change under us; ours are fixed by the wheel version.
     if [[ "$COMFY" != 0.33 && -n "${COMFYUI_PATH:-}" ]]; then cat "$COMFY_DIR/requirements.txt"; fi
     "$BASE_PYTHON" -c 'import sys; print(sys.version)'
@@ -211,6 +211,10 @@ fi
 grep -v -E '^[[:space:]]*(torch|torchvision|torchaudio)[[:space:]]*([=<>!~;[#]|$)' \
     "$COMFY_DIR/requirements.txt" > "$DEPS/comfyui-requirements.txt"
 printf '%s\n' "${TORCH_PINS[@]}" > "$DEPS/constraints.txt"
+if [[ "$COMFY" == 0.33 ]]; then
+    # The GPU evidence kit (gpu_kit/, issue #26) ships ComfyUI 0.33 with these exact versions: the suite runs them.
+    grep -v '^#' "$ROOT/gpu_kit/wheels.lock" >> "$DEPS/constraints.txt"
+fi
 
 log "pip install ${TORCH_PINS[*]} + ComfyUI requirements + requests + requirements-dev.txt"
 start=$SECONDS

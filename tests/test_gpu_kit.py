@@ -50,7 +50,8 @@ def test_effective_params_read_back_a_plain_layers_own_parameters(kind):
     spec = next(s for s in models.layer_specs("sdxl", tiny=True) if s.kind == kind)
     params = truth.stored_params([spec], models.master_weights([spec], seed=4), torch.float32)
     layer = truth.reference_model([spec], params, torch.float64, torch.device("cpu")).get_submodule(spec.path)
-    read = truth.effective_params(spec, layer, torch.float64, torch.device("cpu"), params[spec.path]["bias"] is not None)
+    has_bias = params[spec.path]["bias"] is not None
+    read = truth.effective_params(spec, layer, torch.float64, torch.device("cpu"), has_bias)
     for name in ("weight", "bias"):
         want = params[spec.path][name]
         if want is None:
@@ -100,7 +101,8 @@ def test_an_exactness_case_fails_when_merged_patches_scale_wrong(bench, monkeypa
 
 def test_an_exactness_case_fails_when_bypassed_changes_scale_wrong(bench, monkeypatch):
     original = glue_apply.contribution
-    monkeypatch.setattr(glue_apply, "contribution", lambda adapter, key, strength: original(adapter, key, strength * 0.9))
+    monkeypatch.setattr(glue_apply, "contribution",
+                        lambda adapter, key, strength: original(adapter, key, strength * 0.9))
     case = exact.run_case(bench, variant("lokr"), "flux", "fp16", "full", "bypass")
     assert case.numbers["bypassed"] > 0
     assert case.status == "fail" and "off the truth" in case.detail, case
@@ -200,10 +202,15 @@ def test_the_kit_builds_under_its_size_limit_and_its_dry_run_passes(tmp_path):
     assert all(_record_ok(f) for f in files)
 
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": sys.executable, "KIT_NO_INSTALL": "1", "KIT_WORK": str(tmp_path / "work")}
-    proc = subprocess.run(["bash", str(kit / "run.sh"), "--dry-run", "--out", str(out)], env=env, timeout=900, check=False,
+    # The real installation: a venv of the kit's own seeing this Python's packages, pip offline on the kit's wheels
+    # (all of them already satisfied here: the lock is what this venv has, test_the_lock_is_what_the_suite_runs).
+    env = {**os.environ, "PYTHON": sys.executable, "KIT_WORK": str(tmp_path / "work")}
+    env.pop("KIT_NO_INSTALL", None)
+    proc = subprocess.run(["bash", str(kit / "run.sh"), "--dry-run", "--out", str(out)], env=env, timeout=900,
+                          check=False,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert list((tmp_path / "work" / "venv").rglob("gpu_kit_image.pth"))
     data = json.loads((out / "gpu-report.json").read_text(encoding="utf-8"))
     assert data["verdict"] == "pass" and data["dry_run"] and data["commit"] == manifest["commit"]
     sections = {s["name"]: s for s in data["sections"]}
@@ -213,6 +220,15 @@ def test_the_kit_builds_under_its_size_limit_and_its_dry_run_passes(tmp_path):
     assert {r["row"].split(" ")[0] for r in sections["speed"]["rows"]} >= {"merge", "strength", "bypass"}
     md = (out / "gpu-report.md").read_text(encoding="utf-8")
     assert md.startswith("# GPU evidence: PASS") and "## 1. The reported failures (seeds): PASS" in md
+
+
+def test_the_lock_is_what_the_suite_runs():
+    """The kit installs the versions this ComfyUI 0.33 suite ran with: every pin of gpu_kit/wheels.lock is the
+    version installed here (re-lock, or update the venv, when they part)."""
+    from importlib.metadata import version
+
+    differ = [pin for pin in build.lock_pins() if version(pin.split("==")[0]) != pin.split("==")[1]]
+    assert not differ, differ
 
 
 def test_a_spent_budget_makes_the_run_incomplete_not_passed(tmp_path):
