@@ -19,7 +19,6 @@ from pathlib import Path
 import comfy.ops
 import comfy.quant_ops
 import torch
-import torch.nn.functional as F
 from comfy.quant_ops import QuantizedTensor
 from lycoris_nodes.lycoris_core import load
 from lycoris_nodes.lycoris_core.keys import DORA_SCALE
@@ -79,7 +78,8 @@ def summary(case_id: str, verdicts: dict, extra: dict | None = None, detail: str
     ok = all(v["ok"] for v in verdicts.values())
     failed = [p for p, v in verdicts.items() if not v["ok"]]
     numbers = {"layers": len(verdicts), "worst_ratio": worst["ratio"], "worst_error": worst["error"],
-               "ideal_error": worst["ideal_error"], **(extra or {})}
+               "ideal_error": worst["ideal_error"], "change": min(v["change"] for v in verdicts.values()),
+               **(extra or {})}
     return Case(case_id, "pass" if ok else "fail", numbers, detail if ok else f"off the truth: {failed}. {detail}")
 
 
@@ -203,34 +203,45 @@ class QuantConfig:
         self.quant_config = self.layer_quant_config = layers
 
 
-def quantized_set(specs, master, device):
-    """The Flux set's Linear layers as ComfyUI 0.33 loads a comfy_quant fp8 checkpoint (QuantizedTensor weights,
-    quantized by comfy-kitchen's own quantizer); returns it and the dequantised values as float32 'master'."""
+def quantized_linear(spec, weight: torch.Tensor, bias: torch.Tensor, device) -> torch.nn.Module:
+    """One Linear as ComfyUI 0.33 loads it from a comfy_quant fp8 checkpoint: the ops pick_operations chooses for
+    that checkpoint on this device (native fp8 matmuls where the GPU has them, emulated otherwise), the weight
+    quantized by comfy-kitchen's own quantizer."""
     layout = comfy.quant_ops.QUANT_ALGOS[FORMAT]["comfy_tensor_layout"]
+    q = QuantizedTensor.from_float(weight.to(torch.bfloat16), layout)
+    ops = comfy.ops.pick_operations(FP8, torch.bfloat16, load_device=device,
+                                    model_config=QuantConfig({"layer": {"format": FORMAT}}))
+    holder = torch.nn.Module()
+    holder.add_module("layer", ops.Linear(*spec.args, bias=True))
+    holder.load_state_dict({"layer.weight": q._qdata, "layer.bias": bias.to(torch.bfloat16),
+                            "layer.weight_scale": q._params.scale,
+                            "layer.comfy_quant": torch.tensor(list(json.dumps({"format": FORMAT}).encode()),
+                                                              dtype=torch.uint8)}, strict=True)
+    return holder.layer.requires_grad_(False)
+
+
+def quantized_set(specs, master, device):
+    """The Flux set's Linear layers as a comfy_quant fp8 checkpoint loads; returns it and the values it holds
+    (dequantised, float32): the 'stored parameters' the reference starts from."""
     root = torch.nn.Module()
     root.add_module("diffusion_model", torch.nn.Module())
     values = {}
     for spec in specs:
         params = master[spec.path]
-        q = QuantizedTensor.from_float(params["weight"].to(torch.bfloat16), layout)
-        ops = comfy.ops.pick_operations(FP8, torch.bfloat16, load_device=device,
-                                        model_config=QuantConfig({"layer": {"format": FORMAT}}))
-        holder = torch.nn.Module()
-        holder.add_module("layer", ops.Linear(*spec.args, bias=True))
-        holder.load_state_dict({"layer.weight": q._qdata, "layer.bias": params["bias"].to(torch.bfloat16),
-                                "layer.weight_scale": q._params.scale,
-                                "layer.comfy_quant": torch.tensor(list(json.dumps({"format": FORMAT}).encode()),
-                                                                  dtype=torch.uint8)}, strict=True)
-        models._attach(root.diffusion_model, spec.path, holder.layer.requires_grad_(False))
-        values[spec.path] = {"weight": q.dequantize().float(), "bias": params["bias"].to(torch.bfloat16).float()}
+        layer = quantized_linear(spec, params["weight"], params["bias"], device)
+        models._attach(root.diffusion_model, spec.path, layer)
+        values[spec.path] = {"weight": layer.weight.dequantize().float(), "bias": layer.bias.float()}
     root.model_config = models.SETS[SET][1](False)
     return root.requires_grad_(False), values
 
 
 def quantized_ideal(spec, x, params, storage):
-    layout = comfy.quant_ops.QUANT_ALGOS[FORMAT]["comfy_tensor_layout"]
-    weight = QuantizedTensor.from_float(params["weight"].to(torch.bfloat16), layout).dequantize()
-    return F.linear(x, weight.to(device=x.device, dtype=torch.bfloat16), params["bias"].to(x.device, torch.bfloat16))
+    """The true parameters quantized once into the same format and run by the same ComfyUI layer (with a native
+    fp8 matmul the activations are rounded too, for the ideal as for the model)."""
+    layer = quantized_linear(spec, params["weight"].float(), params["bias"].float(), x.device)
+    layer.comfy_cast_weights = True  # its weights stay on the CPU and are cast to x's device, as when offloaded
+    with torch.no_grad():
+        return layer(x)
 
 
 def fp8_bases(scene: Scene, label: str) -> list[Case]:
