@@ -7,7 +7,6 @@ device and judges its output with `truth.judge`. The case passes when every laye
 """
 
 import itertools
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from lycoris_nodes.nodes.glue.apply import apply_file
 
 from . import models, truth
 from .models import FP8
+from .part import TRUTHS
 from .report import Case
 
 STORAGES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8_e4m3fn": FP8}
@@ -82,7 +82,7 @@ class Bench:
             root = models.layer_set(name, specs, master, storage, self.env.device)
             compute = models.compute_dtype(storage)
             inputs = {s.path: models.probe_input(s, TOKENS, compute, self.env.device) for s in specs}
-            self._sets[key] = (specs, truth.stored_params(specs, master, storage),
+            self._sets[key] = (specs, truth.stored_params(specs, master, storage, self.env.device),
                                make_patcher(root, self.env.device, self.dynamic), inputs)
         return self._sets[key]
 
@@ -90,7 +90,13 @@ class Bench:
         key = (variant.id, name, storage)
         if self._expected[0] != key:
             self._expected = (None, None)  # the previous one's device memory goes first
-            self._expected = (key, self._make(variant, name, storage))
+            saved = self.directory / f"{variant.id}-{name}-{str(storage).removeprefix('torch.')}.pt"
+            if saved.is_file():  # made by the section before (exact, then dynamic): the same seeds, inputs, truth
+                made = Expected(**torch.load(saved, map_location=self.env.device, weights_only=True))
+            else:
+                made = self._make(variant, name, storage)
+                torch.save(vars(made), saved)
+            self._expected = (key, made)
         return self._expected[1]
 
     def _make(self, variant, name: str, storage) -> "Expected":
@@ -101,12 +107,15 @@ class Bench:
         chosen = truth.targets(variant, specs)
         seed = truth.factory.SEED + sum(map(ord, variant.id))
 
+        files = self.directory / f"{name}-{str(storage).removeprefix('torch.')}"  # one file name per variant
+        files.mkdir(exist_ok=True)
+
         def make(layers):
-            return truth.make(variant, layers, base, self.env.device, self.directory, seed)
+            return truth.make(variant, layers, base, self.env.device, files, seed)
 
         left_out = {}
         if not chosen:
-            return Expected(None, {}, left_out, chosen)
+            return Expected(None, {}, left_out)
         try:
             made = make(chosen)
         except Exception:  # noqa: BLE001 - which layers it cannot do is found out below, and reported
@@ -122,7 +131,7 @@ class Bench:
             x, params = inputs[spec.path], made.params(spec.path, STRENGTH)
             outputs[spec.path] = (truth.true_output(spec, x, params), truth.ideal_output(spec, x, params, storage),
                                   truth.true_output(spec, x, made.base[spec.path]))
-        return Expected(made.path if made else None, outputs, left_out, chosen)
+        return Expected(str(made.path) if made else None, outputs, left_out)
 
 
 def fake_cuda_forward(layer: torch.nn.Module, x: torch.Tensor) -> bool:
@@ -136,8 +145,10 @@ def fake_cuda_forward(layer: torch.nn.Module, x: torch.Tensor) -> bool:
 
 
 class Expected:
-    def __init__(self, path, outputs: dict, left_out: dict, chosen: list):
-        self.path, self.outputs, self.left_out, self.chosen = path, outputs, left_out, chosen
+    """A reference file (its path) and per layer (y*, y°, y of the base); the layers left out, with why."""
+
+    def __init__(self, path: str | None, outputs: dict, left_out: dict):
+        self.path, self.outputs, self.left_out = path, outputs, left_out
 
 
 def run_case(bench: Bench, variant, set_name: str, storage_name: str, load_kind: str, mode: str) -> Case:
@@ -177,16 +188,19 @@ def run_case(bench: Bench, variant, set_name: str, storage_name: str, load_kind:
 
 
 def run(env, clock, loads: tuple[str, ...]) -> list[Case]:
+    """The cases of `plan`. The reference's files and expected outputs go to <work>/truths, where the next section
+    of the same run finds them (main.py empties the folder when a run starts)."""
+    truths = Path(env.work) / TRUTHS
+    truths.mkdir(parents=True, exist_ok=True)
+    bench = Bench(env, truths, dynamic=loads == ("dynamic",))
     cases = []
-    with tempfile.TemporaryDirectory(dir=env.work) as tmp:
-        bench = Bench(env, Path(tmp), dynamic=loads == ("dynamic",))
-        for item in plan(env.dry_run, loads):
-            if clock.out():
-                cases.append(Case("/".join((item[1], item[0].id, *item[2:])), "not-run", detail="time budget spent"))
-                continue
-            try:
-                cases.append(run_case(bench, *item))
-            except Exception as e:  # noqa: BLE001 - one case's crash is its failure, reported with the traceback
-                cases.append(Case("/".join((item[1], item[0].id, *item[2:])), "error",
-                                  detail=f"{type(e).__name__}: {e}", trace=True))
+    for item in plan(env.dry_run, loads):
+        case_id = "/".join((item[1], item[0].id, *item[2:]))
+        if clock.out():
+            cases.append(Case(case_id, "not-run", detail="time budget spent"))
+            continue
+        try:
+            cases.append(run_case(bench, *item))
+        except Exception as e:  # noqa: BLE001 - one case's crash is its failure, reported with the traceback
+            cases.append(Case(case_id, "error", detail=f"{type(e).__name__}: {e}", trace=True))
     return cases

@@ -6,13 +6,14 @@ run.sh calls it with --comfyui/--pack/--work set; `--dry-run` runs the same code
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from . import report
-from .part import SECTIONS
+from .part import SECTIONS, TRUTHS
 
 # Seconds per section on one H100-class GPU: 7.5 minutes of work; the rest of the 8 is start-up and the
 # installation. A section stops starting cases when its budget is spent and says how many it did not run.
@@ -75,6 +76,7 @@ def main(argv=None) -> int:
                         help="multiply every section's time budget (a GPU slower than an H100: 2 or 3)")
     opts = parser.parse_args(argv)
     opts.work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(opts.work / TRUTHS, ignore_errors=True)  # this run's sections share their truths, no older run's
     opts.out.mkdir(parents=True, exist_ok=True)
     budgets = DRY_RUN_BUDGETS if opts.dry_run else BUDGETS
     started, clock = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), time.monotonic()

@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+TRUTHS = "truths"  # the folder under the work folder where the sections of one run share the reference's truths
 SECTIONS = {
     "seeds": "1. The reported failures (seeds)",
     "exact": "2. Exactness: full and lowvram loads",

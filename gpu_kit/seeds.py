@@ -53,9 +53,9 @@ class Scene:
         variant = next(v for v in truth.variants() if v.id == variant_id)
         chosen = truth.targets(variant, self.specs)
         if self.stored is None:
-            base = truth.stored_params(self.specs, self.master, self.storage)
+            base = truth.stored_params(self.specs, self.master, self.storage, self.env.device)
         else:  # already the dequantised values
-            base = truth.stored_params(self.specs, self.stored, torch.float32)
+            base = truth.stored_params(self.specs, self.stored, torch.float32, self.env.device)
         return truth.make(variant, chosen, base, self.env.device, self.directory,
                           seed=truth.factory.SEED + sum(map(ord, variant_id)))
 

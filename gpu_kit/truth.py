@@ -93,49 +93,50 @@ def reference_model(specs, params: dict, dtype: torch.dtype, device) -> torch.nn
     return root
 
 
-def stored_params(specs, master: dict, storage: torch.dtype) -> dict:
-    """The model's parameters as stored (weights in `storage`, norms and biases in the compute dtype), in float64."""
+def stored_params(specs, master: dict, storage: torch.dtype, device=None) -> dict:
+    """The model's parameters as stored (weights in `storage`, norms and biases in the compute dtype), in float64,
+    on `device` (the CPU by default): the truth is computed there."""
     compute = compute_dtype(storage)
     out = {}
     for spec in specs:
         m = master[spec.path]
         weight_dtype = compute if spec.kind in NORMS else storage
-        out[spec.path] = {"weight": m["weight"].to(weight_dtype).double(),
-                          "bias": None if m["bias"] is None else m["bias"].to(compute).double()}
+        out[spec.path] = {"weight": m["weight"].to(weight_dtype).to(device=device, dtype=torch.float64),
+                          "bias": None if m["bias"] is None else m["bias"].to(compute).to(device, torch.float64)}
     return out
 
 
 @torch.no_grad()
 def effective_params(spec: LayerSpec, layer: torch.nn.Module, dtype: torch.dtype, device, has_bias: bool) -> dict:
-    """(weight, bias) of the affine map `layer` computes, read off its forward in `dtype` (float64 results).
-    `has_bias`: whether the layer has one (the reference's Full module takes the layer's own bias away)."""
+    """(weight, bias) of the affine map `layer` computes, read off its forward in `dtype` (float64 results, on
+    `device`). `has_bias`: whether the layer has one (the reference's Full module takes the layer's own bias away)."""
     def run(x):
         return layer(x.to(device=device, dtype=dtype)).double()
 
     if spec.kind in NORMS:  # y = γ·x̂ + β, x̂ the normalised input: γ, β by least squares per channel
         channels = spec.args[-1]
         shape = (64, channels) if spec.kind == "layernorm" else (16, channels, 4, 4)
-        x = torch.randn(shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(device)
         if spec.kind == "layernorm":
             u = F.layer_norm(x, (channels,), eps=layer.eps)
         else:
             u = F.group_norm(x, spec.args[0], eps=layer.eps)
-        y = run(x).cpu()
+        y = run(x)
         u, y = u.transpose(0, 1).reshape(channels, -1), y.transpose(0, 1).reshape(channels, -1)
         uc, yc = u - u.mean(1, keepdim=True), y - y.mean(1, keepdim=True)
         gamma = (uc * yc).sum(1) / (uc * uc).sum(1)
         return {"weight": gamma, "bias": y.mean(1) - gamma * u.mean(1)}
     if spec.kind.startswith("conv"):  # unit impulses over one kernel window: the centre output is Σ W·x + b
         inp, outp, k = spec.args
-        bias = run(torch.zeros(1, inp, k, k))[0, :, k // 2, k // 2].cpu()
+        bias = run(torch.zeros(1, inp, k, k))[0, :, k // 2, k // 2]
         eye = torch.eye(inp * k * k, dtype=torch.float64, device=device).reshape(inp * k * k, inp, k, k)
-        columns = torch.cat([run(chunk)[:, :, k // 2, k // 2] for chunk in eye.split(4096)]).cpu()
+        columns = torch.cat([run(chunk)[:, :, k // 2, k // 2] for chunk in eye.split(4096)])
         weight = (columns - bias).T.reshape(outp, inp, k, k)
         return {"weight": weight, "bias": bias if has_bias else None}
     inp = spec.args[0]
-    bias = run(torch.zeros(1, inp))[0].cpu()
+    bias = run(torch.zeros(1, inp))[0]
     eye = torch.eye(inp, dtype=torch.float64, device=device)
-    columns = torch.cat([run(chunk) for chunk in eye.split(4096)]).cpu()
+    columns = torch.cat([run(chunk) for chunk in eye.split(4096)])
     return {"weight": (columns - bias).T.contiguous(), "bias": bias if has_bias else None}
 
 
@@ -155,8 +156,8 @@ class Truth:
     """One file and what the reference says it does to each layer it targets."""
 
     path: Path
-    base: dict  # layer path -> stored params (float64)
-    full: dict  # layer path -> params after the file at multiplier 1 (float64)
+    base: dict  # layer path -> stored params (float64, on the device)
+    full: dict  # layer path -> params after the file at multiplier 1 (float64, on the device)
 
     def params(self, path: str, strength: float) -> dict:
         base, full = self.base[path], self.full[path]
