@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import comfy.ops
 import comfy.supported_models
 import torch
+from reference.lycoris_factory import attach
 
 FP8 = torch.float8_e4m3fn
 
@@ -106,15 +107,6 @@ def master_weights(specs, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def _attach(root: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
-    node = root
-    for part in path.split(".")[:-1]:
-        if part not in node._modules:
-            node.add_module(part, torch.nn.Module())
-        node = node._modules[part]
-    node.add_module(path.split(".")[-1], module)
-
-
 def stored(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.nn.Parameter | None:
     return None if tensor is None else torch.nn.Parameter(tensor.to(dtype), requires_grad=False)
 
@@ -142,7 +134,7 @@ def layer_set(name: str, specs, master: dict, storage: torch.dtype, load_device:
         weight_dtype = compute if spec.kind.endswith("norm") else storage
         layer.weight = stored(params["weight"], weight_dtype)
         layer.bias = stored(params["bias"], compute)
-        _attach(root.diffusion_model, spec.path, layer)
+        attach(root.diffusion_model, spec.path, layer)
     _, config = SETS[name]
     root.model_config = config(tiny=False)
     return root.requires_grad_(False)

@@ -229,7 +229,7 @@ def quantized_set(specs, master, device):
     for spec in specs:
         params = master[spec.path]
         layer = quantized_linear(spec, params["weight"], params["bias"], device)
-        models._attach(root.diffusion_model, spec.path, layer)
+        truth.factory.attach(root.diffusion_model, spec.path, layer)
         values[spec.path] = {"weight": layer.weight.dequantize().float(), "bias": layer.bias.float()}
     root.model_config = models.SETS[SET][1](False)
     return root.requires_grad_(False), values
