@@ -178,7 +178,8 @@ def run_case(bench: Bench, variant, set_name: str, storage_name: str, load_kind:
     ok = all(v["ok"] for v in layers.values()) and len(report.applied) == report.total
     numbers = {"layers": len(layers), "applied": len(report.applied), "bypassed": report.bypassed,
                "worst_ratio": worst["ratio"], "worst_error": worst["error"], "ideal_error": worst["ideal_error"],
-               "change": min(v["change"] for v in layers.values()), "seconds": seconds}
+               "change": min(v["change"] for v in layers.values()),
+               "inconclusive": sum(not v["conclusive"] for v in layers.values()), "seconds": seconds}
     failed = [p for p, v in layers.items() if not v["ok"]]
     problem = "" if ok else (f"layers off the truth: {failed}" if failed
                              else f"not every module applied: {report.line()}")

@@ -124,13 +124,13 @@ def by_combination(cases: list[dict]) -> list[str]:
     for c in cases:
         parts = c["id"].split("/")
         groups.setdefault("/".join(parts[:1] + parts[2:]), []).append(c)
-    lines = ["| set/dtype/load/mode | pass | fail or error | skip | not run | worst ratio |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| set/dtype/load/mode | pass | fail or error | skip | not run | worst ratio | inconclusive layers |",
+             "|---|---|---|---|---|---|---|"]
     for key, group in groups.items():
         ratios = [c["numbers"]["worst_ratio"] for c in group if "worst_ratio" in c["numbers"]]
         count = {s: sum(c["status"] == s for c in group) for s in STATUSES}
+        worst = f"{max(ratios):.3g}" if ratios else ""
+        inconclusive = sum(c["numbers"].get("inconclusive", 0) for c in group)
         lines.append(f"| {key} | {count['pass']} | {count['fail'] + count['error']} | {count['skip']} | "
-                     f"{count['not-run']} | {max(ratios):.3g} |" if ratios else
-                     f"| {key} | {count['pass']} | {count['fail'] + count['error']} | {count['skip']} | "
-                     f"{count['not-run']} | |")
+                     f"{count['not-run']} | {worst} | {inconclusive} |")
     return lines

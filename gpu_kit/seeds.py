@@ -79,6 +79,7 @@ def summary(case_id: str, verdicts: dict, extra: dict | None = None, detail: str
     failed = [p for p, v in verdicts.items() if not v["ok"]]
     numbers = {"layers": len(verdicts), "worst_ratio": worst["ratio"], "worst_error": worst["error"],
                "ideal_error": worst["ideal_error"], "change": min(v["change"] for v in verdicts.values()),
+               "inconclusive": sum(not v["conclusive"] for v in verdicts.values()),
                **(extra or {})}
     return Case(case_id, "pass" if ok else "fail", numbers, detail if ok else f"off the truth: {failed}. {detail}")
 

@@ -69,6 +69,10 @@ def test_judge_passes_one_rounding_and_fails_a_missing_or_scaled_change():
     assert not truth.judge(base.to(torch.bfloat16), truth_y, ideal, base)["ok"]  # the change lost
     scaled = (base + 0.9 * (truth_y - base)).to(torch.bfloat16)  # the strength off by 10 %
     assert not truth.judge(scaled, truth_y, ideal, base)["ok"]
+    assert truth.judge(ideal, truth_y, ideal, base)["conclusive"]
+    tiny = base + 1e-4 * (truth_y - base)  # a change inside one bf16 rounding: losing it would pass, and it says so
+    verdict = truth.judge(base.to(torch.bfloat16), tiny, tiny.to(torch.bfloat16), base)
+    assert verdict["ok"] and not verdict["conclusive"]
 
 
 # ---- the checks fail when the pack is wrong -------------------------------------------------------------------------
