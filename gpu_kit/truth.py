@@ -16,6 +16,8 @@ one rounding (ComfyUI rounds fp8 stochastically: √2 on average), not the size 
 import contextlib
 import dataclasses
 import math
+import os
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,13 @@ TOLERANCE = 2.0  # ‖y − y*‖ ≤ TOLERANCE · ‖y° − y*‖
 # and with ComfyUI's own module paths these are sd-scripts' names for SDXL and Flux.
 PREFIX = "lora_unet"
 NORMS = ("groupnorm", "layernorm")
+
+
+def raised_by_reference(error: BaseException) -> bool:
+    """The reference's own refusal (BOFT cannot factor a width, ...): raised inside the lycoris package. Anything
+    else (the kit's code, torch on this device) is a failure to report, never a skip."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and f"{os.sep}lycoris{os.sep}" in frames[-1].filename
 
 
 def _prefixed(fn, *args):

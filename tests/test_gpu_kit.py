@@ -127,6 +127,20 @@ def test_an_exactness_case_fails_when_a_module_is_not_applied(bench, monkeypatch
     assert case.status == "fail", case
 
 
+def test_only_the_reference_own_refusal_makes_a_skip(bench, monkeypatch):
+    """BOFT cannot factor SDXL's widths: a skip naming the reason. Any other failure while making the truth (the
+    kit's code, torch on the device) is raised, so the case is an error, never a quiet skip."""
+    case = exact.run_case(bench, variant("boft"), "sdxl", "fp16", "full", "merge")
+    assert case.status == "skip" and "decompose" in case.detail, case
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+    monkeypatch.setattr(truth, "make", broken)
+    with pytest.raises(RuntimeError, match="same device"):
+        exact.run_case(bench, variant("locon"), "flux", "bf16", "full", "merge")
+
+
 def test_the_fake_cuda_forward_raises_on_a_layer_left_on_the_cpu():
     """The dry run's device check can fail: a plain layer (weights on the CPU, nothing casting them) fed a cuda:0
     input raises torch's own device-mismatch error, as on a GPU."""
