@@ -5,6 +5,8 @@ diffusers/PEFT ones do (`transformer.blocks.0.attn.to_q.lora_B.weight`), so a ke
 suffix rather than at a dot.
 """
 
+from collections.abc import Callable
+
 from .algos import BIAS_ALGORITHMS, WEIGHT_ALGORITHMS
 from .algos.kohya_oft import BLOCKS as KOHYA_OFT_BLOCKS
 
@@ -28,6 +30,12 @@ ALIASES: dict[str, str] = {
     # ai-toolkit's DoRAModule (toolkit/models/DoRA.py): the row norms of W + ΔW, per output as PEFT's magnitude
     "magnitude": PEFT_MAGNITUDE,
 }
+# PEFT's adapter name kept in a key (`<module>.lora_A.default.weight`): a PeftModel's own state dict, as
+# DiffSynth-Studio saves it (diffsynth/diffusion/training_module.py `mapping_lora_state_dict`), where PEFT's
+# get_peft_model_state_dict drops the name. Recorded per module (Module.adapter_named): it tells some writers apart.
+ADAPTER_NAMED: tuple[str, ...] = tuple("." + alias for alias in ALIASES if ".default." in alias)
+# canonical suffix -> its name with PEFT's adapter name: how a tool rewriting such a module keeps the mark
+WITH_ADAPTER_NAME: dict[str, str] = {canonical: alias for alias, canonical in ALIASES.items() if ".default." in alias}
 # diffusers' attention-processor LoRA joins the suffix with "_" instead of ".": `to_q_lora.up.weight`.
 UNDERSCORE_ALIASES: dict[str, str] = {
     "lora.up.weight": "lora_up.weight",
@@ -90,9 +98,22 @@ def _renamed(prefix: str, suffix: str) -> tuple[str, str]:
     return prefix, suffix
 
 
-def split_key(key: str) -> tuple[str, str] | None:
-    """(module prefix, canonical suffix), or None when the key ends in no suffix we know."""
+def split_key(key: str, renamed: bool = True) -> tuple[str, str] | None:
+    """(module prefix, canonical suffix), or None when the key ends in no suffix we know. `renamed=False` keeps the
+    prefix as written (a diffusers file whose `transformer.` holds a module named like an OMI top, below)."""
     for written, canonical in _SPLITS:
         if key.endswith(written) and len(key) > len(written):
-            return _renamed(key[: -len(written)], canonical)
+            prefix = key[: -len(written)]
+            return _renamed(prefix, canonical) if renamed else (prefix, canonical)
     return None
+
+
+def read_as_written(keys) -> Callable[[str], bool]:
+    """Whether a key of this file keeps its prefix as written: it is under an OMI diffusion-model component
+    (`unet.`, `transformer.`) that the file does not use as OMI does, with every key under it starting with one of
+    the original layout's top-level modules. Ideogram 4's diffusers names have a `transformer.final_layer` beside
+    `transformer.layers.…`: read as OMI, the module would lose the name its PEFT config (alpha) is keyed by."""
+    keys = list(keys)
+    plain = tuple(component for component, tops in OMI_DIFFUSION_MODEL_TOPS.items()
+                  if not all(key[len(component):].startswith(tops) for key in keys if key.startswith(component)))
+    return lambda key: key.startswith(plain)

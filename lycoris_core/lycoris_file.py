@@ -7,14 +7,16 @@ ComfyUI does not roll back a patch that raises half-way, and clones share one mo
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .algos.base import Layout
+from .algos.full import MODULATION
 from .errors import LycorisError, encodable
-from .keys import PEFT_MAGNITUDE, split_key
+from .keys import ADAPTER_NAMED, PEFT_MAGNITUDE, read_as_written, split_key
 from .module import Module, build_modules
+from .module_config import ModuleConfig, config_note, split_configs
 from .peft_config import PeftConfig, from_metadata, module_name, module_options, read_config
 from .safetensors_file import SafetensorsFile
 
@@ -32,6 +34,8 @@ class LycorisFile:
     unused: list[UnusedKey] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # what was assumed where the file says nothing
+    configs: list[ModuleConfig] = field(default_factory=list)  # `<module>.config` entries: read, not applied
+    notes: list[str] = field(default_factory=list)  # what the file holds beside its modules (module_config)
 
     @property
     def algorithms(self) -> dict[str, int]:
@@ -45,8 +49,9 @@ def group_keys(state_dict: Mapping[str, torch.Tensor], file: str | None = None
                ) -> tuple[dict[str, dict[str, torch.Tensor]], list[UnusedKey]]:
     groups: dict[str, dict[str, torch.Tensor]] = {}
     unknown = []
+    as_written = read_as_written(state_dict)
     for key, tensor in state_dict.items():
-        split = split_key(key)
+        split = split_key(key, renamed=not as_written(key))
         if split is None:
             unknown.append(UnusedKey(key, "not a key of any LyCORIS algorithm"))
             continue
@@ -57,6 +62,13 @@ def group_keys(state_dict: Mapping[str, torch.Tensor], file: str | None = None
         group[suffix] = tensor
     _rejoin_kohya_magnitudes(groups)
     return groups, unknown
+
+
+def adapter_named(state_dict: Mapping[str, torch.Tensor]) -> frozenset[str]:
+    """The module prefixes (as group_keys reads them) whose keys keep PEFT's adapter name (keys.ADAPTER_NAMED)."""
+    as_written = read_as_written(state_dict)
+    return frozenset(split_key(key, renamed=not as_written(key))[0] for key in state_dict
+                     if key.endswith(ADAPTER_NAMED))
 
 
 def _rejoin_kohya_magnitudes(groups: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -126,9 +138,11 @@ def software_name(metadata: Mapping[str, str]) -> str | None:
 def scale_warnings(name: str, modules: list[Module], metadata: Mapping[str, str]) -> list[str]:
     """The one warning for modules whose alpha was assumed. ai-toolkit saves its PEFT-format LoRAs without alpha
     because it trains them with alpha = rank (toolkit/lora_special.py: `if self.peft_format: self.alpha =
-    self.lora_dim`): in its files scale 1 is the definition, not an assumption."""
+    self.lora_dim`): in its files scale 1 is the definition, not an assumption. So in LightX2V's, told by the `diff_m`
+    only its extractor writes (tools/extract/lora_extractor.py writes no alpha; lightx2v/utils/lora_loader.py
+    `apply_lora` scales a pair without one by 1)."""
     assumed = [m for m in modules if m.scale_assumed]
-    if not assumed or software_name(metadata) == "ai-toolkit":
+    if not assumed or software_name(metadata) == "ai-toolkit" or any(m.algorithm is MODULATION for m in modules):
         return []
     return [assumed_scale_warning(name, assumed)]
 
@@ -175,7 +189,10 @@ def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state
             config = from_metadata(metadata or {})
         except LycorisError as e:
             raise e.located(file=name) from e
+    state_dict, configs, unreadable = split_configs(state_dict)
     groups, unused = group_keys(state_dict, name)
+    named = adapter_named(state_dict)
+    unused += [UnusedKey(key, reason) for key, reason in unreadable]
     modules: dict[str, Module] = {}
     for prefix, group in groups.items():
         built, leftover = build_modules(prefix, group, name, module_options(config, prefix),
@@ -186,13 +203,14 @@ def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state
         reason = f"not read by {built[0].label}" if built else "no LyCORIS algorithm uses this combination of keys"
         unused += [UnusedKey(f"{prefix}.{suffix}", reason) for suffix in leftover]
         for module in built:
-            modules[f"{prefix}.{module.param}"] = module
+            modules[f"{prefix}.{module.param}"] = replace(module, adapter_named=prefix in named)
     if not modules:
         raise LycorisError(f"no LyCORIS/LoRA module found among {len(state_dict)} keys "
                            f"(e.g. '{next(iter(state_dict))}'); is this an adapter file?", file=name)
     warnings = scale_warnings(name, list(modules.values()), metadata or {})
     warnings += option_warnings(name, ((m, m.layout) for m in modules.values()))
-    return LycorisFile(name, modules, unused, dict(metadata or {}), warnings)
+    notes = [config_note(name, configs)] if configs else []
+    return LycorisFile(name, modules, unused, dict(metadata or {}), warnings, configs, notes)
 
 
 def load(path: str | os.PathLike, temp_dir: str | os.PathLike | None = None) -> LycorisFile:

@@ -17,6 +17,7 @@ from .algos import (
     ShapeError,
     option_entries,
 )
+from .algos.base import expect
 from .errors import LycorisError
 from .keys import ALPHA, DORA_SCALE, PEFT_MAGNITUDE
 
@@ -49,6 +50,7 @@ class Module:
     alpha: float | None
     dora_per_output: bool = False  # dora_scale is PEFT's magnitude: per output channel whatever its shape
     scale_assumed: bool = False  # no alpha tensor and no PEFT config: alpha = rank was assumed
+    adapter_named: bool = False  # its keys keep PEFT's adapter name (keys.ADAPTER_NAMED): how some writers save
 
     @property
     def param(self) -> str:
@@ -72,6 +74,29 @@ class Module:
         except ShapeError as e:
             raise LycorisError(e.reason, file=file, key=f"{self.prefix}.{e.key}" if e.key else self.prefix) from e
         return Plan(self.algorithm.name, layout, tuple(self.tensors), axis, reference)
+
+    def rows(self, start: int, count: int, fused_shape: tuple[int, ...], *, file: str | None = None) -> "Module":
+        """This module, made for a fused weight of shape `fused_shape`, restricted to its output rows [start, start +
+        count) as a module of its own: W'_rows = W_rows + ΔW[start:start + count] for a model that keeps those rows
+        as a separate weight. DoRA per output row (LyCORIS' wd_on_out, PEFT's magnitude) keeps its rows' gains:
+        g_r = scale_r / ‖W_r + ΔW_r‖ reads row r alone. Per input column, ‖V[:, j]‖ runs over every fused row, which
+        a separate weight does not hold: refused, like an algorithm whose rows depend on other rows."""
+        try:
+            expect(self.algorithm.rows is not None,
+                   f"{self.label} has no split by output rows (OFT/BOFT rotate blocks of rows together), and this "
+                   "model keeps the fused weight's rows as separate weights")
+            layout = self.layout.resolve(tuple(fused_shape))
+            tensors, layout = self.algorithm.rows(self.tensors, layout, start, count)
+            if self.has_dora:
+                scale = self.tensors[DORA_SCALE]
+                expect(dora.axis_for(tuple(scale.shape), tuple(fused_shape), self.dora_per_output) == dora.OUT,
+                       f"DoRA normalises each input column over all {fused_shape[0]} rows of the fused weight "
+                       "(the input axis, wd_on_out=False), which this model keeps as separate weights", DORA_SCALE)
+                dim = 0 if scale.shape[0] == fused_shape[0] else 1  # PEFT's conv magnitude is (1, out, 1…)
+                tensors = {**tensors, DORA_SCALE: scale.narrow(dim, start, count)}
+        except ShapeError as e:
+            raise LycorisError(e.reason, file=file, key=f"{self.prefix}.{e.key}" if e.key else self.prefix) from e
+        return replace(self, tensors=tensors, layout=layout)
 
 
 def detect(group: dict[str, torch.Tensor], prefix: str = "") -> list[Algorithm]:

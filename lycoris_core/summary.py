@@ -18,6 +18,7 @@ from .errors import MAX_NAME, LycorisError, clipped
 from .keys import ALPHA, DORA_SCALE, OMI_PREFIXES
 from .lycoris_file import group_keys, metadata_json, option_warnings, scale_warnings, software_name
 from .module import Module, build_modules
+from .module_config import MAX_BYTES, config_note, is_config_key, split_configs
 from .peft_config import PATTERN_KEYS, PeftConfig, module_name, module_options, read_config
 from .safetensors_file import SafetensorsFile
 
@@ -45,6 +46,10 @@ FAMILY_PATTERNS: tuple[tuple[str, str], ...] = (
     # call theirs transformer_blocks, so the name must start there (after a trainer's prefix)
     ("Wan", (r"(?m)^(transformer\.|base_model\.model\.|lycoris_|lora_transformer_)?blocks[._]\d+[._]"
              r"(attn[12][._](to_|add_)|ffn[._]net[._])")),
+    # Ideogram 4 (a NextDiT like Lumina 2, ComfyUI comfy/ldm/ideogram4/model.py): its own top-level projections,
+    # a lower-case per-block `adaln_modulation` (Lumina's is `adaLN_modulation`), and `attention.o` for Lumina's `.out`
+    ("Ideogram 4", (r"(?m)^(transformer\.|diffusion_model\.|base_model\.model\.|lora_unet_|lora_transformer_|"
+                    r"lycoris_)?(adaln_proj|llm_cond_proj)$|layers[._]\d+[._](adaln_modulation|attention[._]o)$")),
     ("Z-Image / Lumina 2", r"(?m)^(\w+[._])?layers[._]\d+[._](attention[._](to_[qkv]|qkv)|feed_forward[._]w[123])"),
     ("Qwen-Image", r"transformer_blocks[._]\d+[._](img_mlp|txt_mlp|img_mod)"),
     ("SDXL", r"lora_te2_|text_encoder_2|input_blocks[._][78][._]1[._]transformer_blocks[._][1-9]"),
@@ -89,6 +94,7 @@ class FileSummary:
     made_by: dict[str, str | None] = field(default_factory=dict)  # trainer, format, evidence, line (see made_by)
     alpha_from: dict = field(default_factory=dict)  # source, rslora, patterns, line (see _alpha_from)
     warnings: list[str] = field(default_factory=list)  # what the loader assumes where the file says nothing
+    notes: list[str] = field(default_factory=list)  # what the file holds beside its modules (module configs)
     modules: list[ModuleSummary] = field(default_factory=list, repr=False)
 
     def to_json(self, with_modules: bool = False) -> dict:
@@ -121,6 +127,7 @@ class FileSummary:
             lines.append("trigger words: " + ", ".join(self.trigger_words))
         lines += [f"{label}: {value}" for label, value in self.training.items()]
         lines += [f"warning: {warning}" for warning in self.warnings]
+        lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -133,10 +140,11 @@ def _range(values: list) -> dict | None:
 
 
 def _shape_only(reader: SafetensorsFile) -> dict[str, torch.Tensor]:
-    """Meta tensors of the right shapes, except the scalars whose values the layouts need."""
+    """Meta tensors of the right shapes, except the scalars whose values the layouts need and the module configs
+    (small JSON texts the summary reports)."""
     tensors = {}
     for key, entry in reader.entries.items():
-        if key.endswith(SCALAR_SUFFIXES) and entry.numel <= 1:
+        if (key.endswith(SCALAR_SUFFIXES) and entry.numel <= 1) or (is_config_key(key) and entry.numel <= MAX_BYTES):
             tensors[key] = reader.tensor(key)
         else:
             tensors[key] = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
@@ -181,8 +189,67 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+# Families whose blocks share their module names, told apart by a block layer's input width (the hidden size):
+# (regex over a module prefix, {input width: family}), checked before the name patterns. Ideogram 4's attention and
+# feed-forward are named as Z-Image's (split to_q/to_k/to_v in diffusers' names, fused qkv in ComfyUI's) at 4608
+# (18 heads x 256; Z-Image 3840, Lumina 2 2304).
+FAMILY_WIDTHS: tuple[tuple[str, dict[int, str]], ...] = (
+    (r"layers[._]\d+[._](attention[._](to_[qkv]|qkv)|feed_forward[._]w[13])$", {4608: "Ideogram 4"}),
+)
+
+
+# The language-model text encoders ComfyUI runs, told by their widths (comfy/text_encoders/llama.py configs:
+# hidden_size, intermediate_size = the input widths of a layer's q_proj and down_proj), with every family whose
+# text encoders include it (comfy/sd.py, comfy/text_encoders/*.py) and its place there (diffusers' text_encoder_N,
+# kohya's lora_teN_). Widths several families share tell none, unless the place does (HiDream's Llama is 4th).
+LANGUAGE_MODEL_ENCODERS: tuple[tuple[tuple[int, int], tuple[tuple[str, int], ...]], ...] = (
+    ((4096, 14336), (("HunyuanVideo", 1), ("HiDream", 4))),  # Llama 3 8B: hunyuan_video.py, hidream.py
+    ((3840, 15360), (("LTX-2", 1),)),  # Gemma 3 12B: lt.py
+    ((5120, 32768), (("Flux.2", 1),)),  # Mistral Small 3.1 24B: flux.py flux2_te
+    ((3072, 9216), (("ERNIE-Image", 1),)),  # Ministral 3 3B: ernie.py
+)
+# a decoder layer (CLIP's and the vision towers' are `encoder.layers.N`, their MLPs fc1/fc2)
+LANGUAGE_MODEL_LAYER = re.compile(r"(?:^|(?<!encoder)[._])layers[._]\d+[._](?:self_attn[._](?P<attn>[qkv])_proj|"
+                                  r"mlp[._](?P<mlp>gate|up|down)_proj)$")
+TEXT_ENCODER_NAME = re.compile(r"^(?:lora_te|lora_prior_te|text_encoder)")  # kohya's, diffusers', ComfyUI's
+ENCODER_PLACE = re.compile(r"^(?:lora_te(?P<kohya>\d*)_|text_encoder(?:_(?P<pipe>\d+))?\.)")  # no digit: the 1st
+
+
 def infer_family(in_features: dict[str, int | None]) -> str | None:
-    """The base model family the module names (and, for UNets, the cross-attention width) point to, or None."""
+    """The base model family the module names (and, for UNets, the cross-attention width) point to, or None. A
+    language-model text encoder's layers are told by their widths; the other text-encoder modules beside it (its
+    pipeline's CLIP) say nothing then, and a diffusion model's own modules still come first."""
+    encoder = {p: w for p, w in in_features.items() if LANGUAGE_MODEL_LAYER.search(p)}
+    if not encoder:
+        return _family_of_names(in_features)
+    rest = {p: w for p, w in in_features.items() if p not in encoder and not TEXT_ENCODER_NAME.match(p)}
+    return _family_of_names(rest) or language_model_family(encoder)
+
+
+def language_model_family(layers: dict[str, int | None]) -> str | None:
+    """The family whose language-model text encoder these layers are (by hidden and MLP width, and the encoder's
+    place where its name gives one), or None when the widths are unknown or shared."""
+    hidden, inner, places = set(), set(), set()
+    for prefix, width in layers.items():
+        found = LANGUAGE_MODEL_LAYER.search(prefix)
+        (inner if found["mlp"] == "down" else hidden).add(width)
+        if (place := ENCODER_PLACE.match(prefix)) is not None:
+            places.add(int(place["kohya"] or place["pipe"] or 1))
+    if len(hidden) != 1 or len(inner) > 1 or len(places) > 1:
+        return None
+    families = [(family, place) for widths, users in LANGUAGE_MODEL_ENCODERS
+                if widths[0] in hidden and (not inner or widths[1] in inner) for family, place in users]
+    if places:
+        families = [(family, place) for family, place in families if place in places]
+    return families[0][0] if len(families) == 1 else None
+
+
+def _family_of_names(in_features: dict[str, int | None]) -> str | None:
+    """The family a diffusion model's module names (and, for UNets, the cross-attention width) point to, or None."""
+    for pattern, widths in FAMILY_WIDTHS:
+        for prefix, width in in_features.items():
+            if width in widths and re.search(pattern, prefix):
+                return widths[width]
     joined = "\n".join(in_features)
     for family, pattern in FAMILY_PATTERNS:
         if re.search(pattern, joined):
@@ -206,6 +273,7 @@ FAMILY_IDS: tuple[tuple[str, str], ...] = (
     ("qwen-image", r"qwen"),
     ("hunyuan-video", r"hunyuan"),
     ("lumina", r"lumina|z-?image"),  # ComfyUI runs Z-Image as a Lumina 2 model (its ZImage class)
+    ("ideogram", r"ideogram"),
     ("hidream", r"hidream"),
     ("ltx", r"^ltx"),
 )
@@ -435,12 +503,13 @@ def summarize(path) -> FileSummary:
 
 def _summarize(path, reader: SafetensorsFile) -> FileSummary:
     config = read_config(path, reader.metadata)  # the loader's own source of a PEFT file's alpha
-    groups, unknown = group_keys(_shape_only(reader), reader.name)
+    state, configs, unreadable = split_configs(_shape_only(reader))
+    groups, unknown = group_keys(state, reader.name)
     modules: list[ModuleSummary] = []
     in_features: dict[str, int | None] = {}
     alpha_sources: Counter = Counter()
     built_modules: list[Module] = []
-    unused = len(unknown)
+    unused = len(unknown) + len(unreadable)
     damaged: list[tuple[str, str]] = []
     for prefix, group in groups.items():
         options = module_options(config, prefix)
@@ -484,7 +553,8 @@ def _summarize(path, reader: SafetensorsFile) -> FileSummary:
         lycoris_config=lycoris_config, metadata_count=len(meta), unused_keys=unused,
         made_by=made_by(list(reader.entries), meta), alpha_from=_alpha_from(config, alpha_sources, meta),
         warnings=_damage_warnings(damaged) + scale_warnings(reader.name, built_modules, meta)
-        + option_warnings(reader.name, ((m, m.layout) for m in built_modules)), modules=modules,
+        + option_warnings(reader.name, ((m, m.layout) for m in built_modules)),
+        notes=[config_note(reader.name, configs)] if configs else [], modules=modules,
     )
 
 

@@ -1,7 +1,8 @@
 """The algorithm registry, in the reference's detection order (lycoris.modules.get_module): first match wins.
 
 A module's weight is patched by the first algorithm in WEIGHT_ALGORITHMS whose marker key it has; its bias by every
-algorithm in BIAS_ALGORITHMS whose marker it has (PEFT's (IA)³ has both: `ia3_l` also scales a normal layer's bias).
+algorithm in BIAS_ALGORITHMS whose marker it has (PEFT's (IA)³ has both: `ia3_l` also scales a normal layer's bias;
+LightX2V's `diff_m` patches a Wan block's `modulation` the same way).
 PEFT's own OFT, BOFT and (IA)³ come last: their markers (`oft_R`, `boft_R`, `ia3_l`) are PEFT's names, which no
 LyCORIS file uses; then PEFT's LoRA and OFT on an nn.Embedding (`lora_embedding_A/B`, `oft_embedding_R`), names of
 their own.
@@ -51,8 +52,9 @@ WEIGHT_ALGORITHMS: tuple[Algorithm, ...] = (
     peft_embedding.LORA,  # PEFT's adapters on an nn.Embedding: their own key names
     peft_embedding.OFT,
 )
+# Parts that patch another parameter than the weight (`param`): the bias, LightX2V's Wan `modulation`
 BIAS_ALGORITHMS: tuple[Algorithm, ...] = (full.FULL_BIAS, full.NORM_BIAS, peft_lora_bias.ALGORITHM,
-                                          peft_ia3.BIAS_ALGORITHM)
+                                          peft_ia3.BIAS_ALGORITHM, full.MODULATION)
 BY_NAME: dict[str, Algorithm] = {a.name: a for a in WEIGHT_ALGORITHMS + BIAS_ALGORITHMS}
 # Keys an algorithm reads into its layout and never again: the patch does not need them.
 LAYOUT_ONLY_KEYS: frozenset[str] = frozenset({lokr.ROW_OFFSET, *peft_oft.OPTION_KEYS, *peft_ia3.OPTION_KEYS})

@@ -16,6 +16,10 @@ small functions:
   the weight before this module) is passed only to algorithms whose change reads it (GLoRA); others get None.
 * ``bypass(t, layout, at) -> Form | None``: the change in a layer's forward without forming W' (bypass mode), see
   `Form`; None where this module has no such form (the caller then adds F(x; W'(m) − W) with the change formed).
+* ``rows(t, layout, start, count) -> (t, layout)``: the module restricted to output rows [start, start + count) of
+  the weight it was made for, as a module of its own: ΔW_rows = ΔW[start:start + count] exactly, for a model that
+  keeps those rows as a separate weight (diffusers' fused `to_qkv` on ComfyUI's separate q/k/v). Views or a row
+  window, never a copy; None where the change of some rows depends on other rows (OFT's rotations, GLoRA's W·A).
 
 Both write into a contiguous W (in the compute dtype) and make no weight-sized temporary: what they need beyond W is
 the size of the factors, or a piece of W (`casting.pieces`).
@@ -26,7 +30,7 @@ the size of the factors, or a piece of W (`casting.pieces`).
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +94,7 @@ class Algorithm:
     factored: "Callable[[Tensors, Layout, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]] | None" = None
     # what users read for a module whose weight has no kernel wider than 1 (a Linear, a 1×1 conv): "LoRA", not LoCon
     pointwise_label: str | None = None
+    rows: "Callable[[Tensors, Layout, int, int], tuple[Tensors, Layout]] | None" = None
 
     def label_for(self, layout: Layout) -> str:
         kernel = layout.shape[2:] if layout.shape else ()
@@ -127,6 +132,17 @@ def scalar(t: Tensors, key: str) -> torch.Tensor:
     value = t[key]
     expect(value.numel() == 1, f"{key} must be one number, got a tensor of shape {list(value.shape)}", key)
     return value.reshape(())
+
+
+def fewer_rows(lay: Layout, count: int) -> Layout:
+    """`lay` for `count` of its output rows (the input side unchanged)."""
+    return replace(lay, out=count, shape=(count, *lay.shape[1:]) if lay.shape else None)
+
+
+def narrowed_rows(t: Tensors, lay: Layout, start: int, count: int, *names: str, dim: int = 0
+                  ) -> tuple[Tensors, Layout]:
+    """`rows` for a change linear in tensors whose `dim` indexes output rows: those tensors narrowed (views)."""
+    return {**t, **{n: t[n].narrow(dim, start, count) for n in names if n in t}}, fewer_rows(lay, count)
 
 
 def trailing_ones(t: torch.Tensor, start: int) -> bool:

@@ -41,6 +41,7 @@ from .base import (
     ShapeError,
     Tensors,
     expect,
+    narrowed_rows,
     require,
     rows_2d,
     scale_from_alpha,
@@ -172,7 +173,13 @@ def bypass(t: Tensors, lay: GLoRALayout, at: FormSite) -> Factored | None:
     return Factored(t, lay, at) if at.op.groups == 1 and at.weight is not None else None
 
 
+def rows(t: Tensors, lay: GLoRALayout, start: int, count: int) -> tuple[Tensors, Layout]:
+    """Rows of ΔW = s·(W ×_in A₁A₂ + B₁B₂): row o reads only row o of W, so the rows' change is the same A on the
+    target's own rows plus B's output factor's rows (b1 in the current layout, b2 in the old). `lay` resolved."""
+    return narrowed_rows(t, lay, start, count, B2 if lay.old else B1)
+
+
 ALGORITHM = Algorithm(
     name="glora", label="GLoRA", markers=(A1,), keys=(A1, A2, B1, B2),
-    layout=layout, add_into=add_into, bypass=bypass, factored=factored,
+    layout=layout, add_into=add_into, bypass=bypass, factored=factored, rows=rows,
 )

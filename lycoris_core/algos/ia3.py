@@ -12,7 +12,7 @@ input channels, W'x = W·((1 + m·w) ⊙ x) (an input-side form; a grouped conv'
 multiply per element, whatever the kernel, stride or padding.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -73,7 +73,14 @@ def bypass(t: Tensors, lay: IA3Layout, at: FormSite) -> ChannelScale:
     return ChannelScale(1 + at.strength * cast(t[WEIGHT], at.device, torch.float32).reshape(-1), lay.axis, at)
 
 
+def rows(t: Tensors, lay: IA3Layout, start: int, count: int) -> tuple[Tensors, Layout]:
+    """Rows of W' = diag(s)·W: their scales; an input-side W·diag(s) scales every row's inputs alike."""
+    if lay.axis:
+        return t, lay
+    return {**t, WEIGHT: t[WEIGHT].reshape(-1).narrow(0, start, count)}, replace(lay, out=count, length=count)
+
+
 ALGORITHM = Algorithm(
     name="ia3", label="(IA)³", markers=(ON_INPUT,), keys=(WEIGHT,),
-    layout=layout, add_into=add_into, uses_alpha=False, bypass=bypass,
+    layout=layout, add_into=add_into, uses_alpha=False, bypass=bypass, rows=rows,
 )

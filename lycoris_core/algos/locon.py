@@ -28,6 +28,7 @@ from .base import (
     Layout,
     Tensors,
     expect,
+    narrowed_rows,
     require,
     rows_2d,
     scale_from_alpha,
@@ -103,7 +104,12 @@ def bypass(t: Tensors, lay: Layout, at: FormSite) -> Factored | None:
     return Factored(t, lay, at) if at.op.groups == 1 else None
 
 
+def rows(t: Tensors, lay: Layout, start: int, count: int) -> tuple[Tensors, Layout]:
+    """Rows of ΔW = s·U₂D₂(·mid): up's rows (the only factor indexed by output rows)."""
+    return narrowed_rows(t, lay, start, count, UP)
+
+
 ALGORITHM = Algorithm(
     name="locon", label="LoCon", pointwise_label="LoRA", markers=(UP,), keys=(UP, DOWN, MID),
-    layout=layout, add_into=add_into, supports_dora=True, bypass=bypass, factored=factored,
+    layout=layout, add_into=add_into, supports_dora=True, bypass=bypass, factored=factored, rows=rows,
 )

@@ -42,6 +42,7 @@ from .base import (
     Layout,
     Tensors,
     expect,
+    narrowed_rows,
     require,
     rows_2d,
     scale_from_alpha,
@@ -156,7 +157,12 @@ def bypass(t: Tensors, lay: Layout, at: FormSite) -> Hadamard | None:
     return Hadamard(cast(up, at.device, work), cast(down, at.device, work), None, at.op)
 
 
+def rows(t: Tensors, lay: Layout, start: int, count: int) -> tuple[Tensors, Layout]:
+    """Rows of ΔW = s·(R₁ ⊙ R₂): the a-factors' rows of both products (Tucker stores them transposed, (r, out))."""
+    return narrowed_rows(t, lay, start, count, W1A, W2A, dim=1 if T1 in t else 0)
+
+
 ALGORITHM = Algorithm(
     name="loha", label="LoHa", markers=(W1A,), keys=(W1A, W1B, W2A, W2B, T1, T2),
-    layout=layout, add_into=add_into, supports_dora=True, bypass=bypass, factored=factored,
+    layout=layout, add_into=add_into, supports_dora=True, bypass=bypass, factored=factored, rows=rows,
 )

@@ -292,7 +292,13 @@ def bypass(t: Tensors, lay: Layout, at: FormSite) -> Kronecker | None:
     return Kronecker(cast(w1, at.device, work), cast(w2, at.device, work), at, rows)
 
 
+def rows(t: Tensors, lay: Layout, start: int, count: int) -> tuple[Tensors, Layout]:
+    """Rows of kron(W₁, W₂): a row window (module docstring), inside any window the module already has."""
+    offset = lay.row_offset if isinstance(lay, RowWindowLayout) else 0
+    return t, RowWindowLayout(lay.rank, lay.scale, lay.out, lay.flat_in, lay.shape, row_offset=offset + start)
+
+
 ALGORITHM = Algorithm(
     name="lokr", label="LoKr", markers=(W1, W1A), keys=(W1, W1A, W1B, W2, W2A, W2B, T2, ROW_OFFSET),
-    layout=layout, add_into=add_into, supports_dora=True, bypass=bypass, factored=factored,
+    layout=layout, add_into=add_into, supports_dora=True, bypass=bypass, factored=factored, rows=rows,
 )

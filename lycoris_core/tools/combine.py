@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..algos import BY_NAME
 from ..bypass import reads_weight
 from ..casting import cast_all
 from ..lycoris_file import parse_state_dict
@@ -113,8 +114,12 @@ def kept_tensors(entry: Entry) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def is_keepable(entries: list[Entry] | None) -> bool:
-    return entries is not None and len(entries) == 1 and entries[0].strength == 1.0 and entries[0].rows is None
+def is_keepable(entries: list[Entry] | None, param: str) -> bool:
+    """One module at strength 1 on the whole parameter, whose suffixes name this parameter (`weight` for every key
+    but a bias, whose module names the layer): a part named after its layer's other parameter (LightX2V's `diff_m`
+    on a Wan block's `modulation`) is written as that parameter's own `.diff` instead."""
+    return (entries is not None and len(entries) == 1 and entries[0].strength == 1.0 and entries[0].rows is None
+            and BY_NAME[entries[0].plan.algorithm].param == param)
 
 
 def _kept(entry: Entry, delta: torch.Tensor, w0: torch.Tensor, param: str, dtype: torch.dtype) -> Written | None:
@@ -184,7 +189,7 @@ def exact_module(entries: list[Entry] | None, delta: torch.Tensor, w0: torch.Ten
                  dtype: torch.dtype) -> Written:
     """The chain's change in the first exact form that fits (module docstring). `entries`: the chain when every
     module in it is ours and additive in the weight's rows (None when some patch is not: a full diff then)."""
-    if is_keepable(entries):
+    if is_keepable(entries, param):
         kept = _kept(entries[0], delta, w0, param, dtype)
         if kept is not None:
             return kept

@@ -59,6 +59,7 @@ NO_PEFT_FORM = {
     "oft-diag-v2": "LyCORIS 2.0's OFT has no PEFT form with the same maths",
     "boft": "LyCORIS' BOFT has no PEFT form with the same maths (PEFT's BOFT differs in its butterfly permutations)",
     "diff-b": "a full bias difference has no PEFT adapter form",
+    "diff-m": "a full difference of a modulation parameter (LightX2V's diff_m) has no PEFT adapter form",
     "b-norm": "a norm-layer bias difference has no PEFT adapter form",
 }
 NO_KOHYA_FORM = {
@@ -282,6 +283,8 @@ def to_kohya(module: Module, plan: Plan, shape: tuple[int, ...]) -> Converted | 
         return NO_KOHYA_FORM[name]
     if name == "peft-lora-embedding":
         return "PEFT's LoRA on an embedding has no kohya/LyCORIS key"
+    if name == "diff-m":  # named after the parameter itself, as ComfyUI's generic key map names it (`….modulation`)
+        return Converted({"diff": module.tensors["diff_m"]}, None, None, "diff (on the parameter's own name)")
     tensors = {k: t for k, t in module.tensors.items() if k != DORA_SCALE}
     if plan.dora_axis is not None:
         scale = module.tensors[DORA_SCALE]

@@ -26,6 +26,7 @@ from ..algos.lokr import RowWindowLayout
 from ..bypass import reads_weight
 from ..casting import cast_all
 from ..errors import LycorisError
+from ..keys import WITH_ADAPTER_NAME
 from ..lycoris_file import LycorisFile
 from ..module import Module, Plan
 from ..patch import change
@@ -227,8 +228,9 @@ def resize_file(lfile: LycorisFile, bases: Mapping[str, Base], settings: Setting
                 result.shape_from_file.append(key)
         plan = module.plan_for(base.shape, file=lfile.name)
         resized = resize_module(module, plan, base.resolved() if needs_base(module, plan) else base, settings, device)
+        names = WITH_ADAPTER_NAME if module.adapter_named else {}  # the mark decides some layouts (keymap.py)
         for suffix, tensor in resized.tensors.items():
-            result.tensors[f"{module.prefix}.{suffix}"] = tensor.cpu()
+            result.tensors[f"{module.prefix}.{names.get(suffix, suffix)}"] = tensor.cpu()
         result.modules[key] = resized.record
         step()
     return result
