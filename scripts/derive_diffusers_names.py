@@ -37,6 +37,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 TABLE = ROOT / "nodes" / "glue" / "diffusers_names.json"
 WEIGHT = ".weight"
+LORA = "lora:"  # Arch.converter names a LoRA converter
+TRANSFORMER = "transformer."  # under which diffusers' LoRA converters name the transformer's modules
+LORA_B = ".lora_B.weight"
+MODEL_KINDS = ("image_model", "audio_model")  # the unet_config key that names the architecture
 ROW_TAG = 1 << 20  # tag = (weight number) * ROW_TAG + row; float64 holds it exactly
 
 
@@ -63,6 +67,14 @@ class Arch:
     # how files name these modules: "diffusers" (under the pipeline's prefixes, and the LyCORIS wrapper's and
     # OneTrainer's underscored forms) or "bare" (DiffSynth-Studio: PEFT's state dict of its own model, no prefix)
     names: str = "diffusers"
+    # For a LoRA converter ("lora:<function>" in diffusers.loaders.lora_conversion_utils, where diffusers has no
+    # single-file one): the prefix it reads before the original path, and the ComfyUI submodule the original paths
+    # are relative to (ACE-Step 1.5's adapters name the decoder's modules only)
+    lora_prefix: str = "diffusion_model."
+    lora_root: str = ""
+    # where ComfyUI's model is built: ACE-Step 1.5 computes its quantizer's codebook at construction, which the
+    # meta device cannot, so it is built tiny on the CPU
+    device: str = "meta"
 
 
 def _wan(**extra) -> dict:
@@ -97,6 +109,14 @@ def _mochi(**extra) -> dict:
             "posenc_preserve_area": True, "timestep_mlp_bias": True, "attend_to_padding": False,
             "timestep_scale": 1000.0, "use_t5": True, "t5_feat_dim": 4096, "t5_token_length": 256,
             "rope_theta": 10000.0, **extra}
+
+
+def _acestep15(**extra) -> dict:
+    # ComfyUI's AceStepConditionGenerationModel at tiny widths (supported_models.ACEStep15 sets only audio_model)
+    return {"audio_model": "ace1.5", "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1, "head_dim": 32,
+            "intermediate_size": 128, "num_dit_layers": 3, "num_lyric_layers": 1, "num_timbre_layers": 1,
+            "num_tokenizer_layers": 1, "fsq_dim": 64, "text_hidden_dim": 64, "encoder_hidden_size": 64,
+            "encoder_intermediate_size": 128, "encoder_num_heads": 2, **extra}
 
 
 def _flux(**extra) -> dict:
@@ -187,6 +207,31 @@ ARCHS: list[Arch] = [
              "concat_padding_mask": True, "extra_pos_embed_type": None})),
     Arch("mochi", "GenmoMochi", _mochi(), "convert_mochi_transformer_checkpoint_to_diffusers",
          diffusers_model=("MochiTransformer3DModel", {"num_layers": 48})),
+    # Anima (Cosmos Predict2's DiT with an LLM adapter): diffusers loads its files into CosmosTransformer3DModel
+    # through the LoRA converter of AnimaLoraLoaderMixin (the adapter goes to another component, text_conditioner)
+    Arch("anima", "Anima", _cosmos_predict2(image_model="anima"), "lora:_convert_non_diffusers_anima_lora_to_diffusers",
+         diffusers_model=("CosmosTransformer3DModel", {
+             "in_channels": 16, "out_channels": 16, "num_attention_heads": 16, "attention_head_dim": 128,
+             "num_layers": 3, "mlp_ratio": 4.0, "text_embed_dim": 1024, "adaln_lora_dim": 256,
+             "max_size": (128, 240, 240), "patch_size": (1, 2, 2), "rope_scale": (1.0, 4.0, 4.0),
+             "concat_padding_mask": True, "extra_pos_embed_type": None})),
+    # Ideogram 4: diffusers has no single-file converter for it, only the LoRA converter its loader runs on files
+    # with ComfyUI's names (Ideogram4LoraLoaderMixin.lora_state_dict), which splits the fused qkv into thirds
+    Arch("ideogram4", "Ideogram4", {"image_model": "ideogram4", "in_channels": 128, "num_layers": 3},
+         "lora:_convert_non_diffusers_ideogram4_lora_to_diffusers",
+         diffusers_model=("Ideogram4Transformer2DModel", {"num_layers": 3})),
+    # MiniMax H3 (released widths, on the meta device): the LoRA converter diffusers runs on files with the original
+    # (ComfyUI's) names splits the fused qkv_proj into thirds and swaps fc1's halves (gate-first to diffusers'
+    # value-first SwiGLU: recorded as converted, left unmapped)
+    Arch("minimax-h3", "MiniMaxH3", {"image_model": "minimax_h3", "num_layers": 3, "token_refiner_num_layers": 3},
+         "lora:_convert_non_diffusers_minimax_h3_lora_to_diffusers",
+         diffusers_model=("MiniMaxH3Transformer3DModel", {"num_layers": 3, "num_refiner_layers": 3})),
+    # ACE-Step 1.5 (audio): the LoRA converter AceStepLoraLoaderMixin.lora_state_dict runs on the official
+    # trainer's files (PEFT's save_pretrained over the decoder: `base_model.model.` + the decoder's paths) renames
+    # q/k/v/o_proj to_q/k/v/to_out.0; the decoder's other paths are diffusers' too
+    Arch("acestep15", "ACEStep15", _acestep15(), "lora:_convert_non_diffusers_ace_step_lora_to_diffusers",
+         diffusers_model=("AceStepTransformer1DModel", {"num_hidden_layers": 3}),
+         lora_prefix="base_model.model.", lora_root="decoder.", device="cpu"),
 ]
 
 
@@ -206,7 +251,7 @@ def meta_model(arch: Arch, config: dict | None = None):
         module, name = arch.params.rsplit(".", 1)
         accepted = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
         config = {k: v for k, v in config.items() if k in accepted or k == "image_model"}
-    return cls(config).get_model({}, "", device="meta")
+    return cls(config).get_model({}, "", device=arch.device)
 
 
 def comfy_params(model) -> dict[str, tuple[int, ...]]:
@@ -259,6 +304,8 @@ def trace(arch: Arch, config: dict | None = None) -> dict[str, object]:
 
     model = meta_model(arch, config)
     params = comfy_params(model)
+    if arch.converter.startswith(LORA):
+        return trace_lora(arch, params, config)
     originals = original_names(arch, model, params)
     ids = {path: i + 1 for i, path in enumerate(sorted(originals))}
     checkpoint = {}
@@ -272,20 +319,62 @@ def trace(arch: Arch, config: dict | None = None) -> dict[str, object]:
     for name, tensor in converted.items():
         if not name.endswith(WEIGHT) or not isinstance(tensor, torch.Tensor) or tensor.ndim == 0:
             continue
-        flat = tensor.reshape(tensor.shape[0], -1)
-        if flat.shape[1] != 1 or flat.min() < ROW_TAG:
+        rows = _read_rows(tensor, by_id)
+        if rows is None:
             found[name] = "converted"
             continue
-        tags = flat[:, 0].to(torch.int64)
-        weight, rows = int(tags[0]) // ROW_TAG, tags % ROW_TAG
-        path = by_id.get(weight)
-        contiguous = torch.equal(tags // ROW_TAG, torch.full_like(tags, weight)) and torch.equal(
-            rows, torch.arange(int(rows[0]), int(rows[0]) + len(rows)))
-        if path is None or not contiguous:
-            found[name] = "converted"
+        if rows[0].endswith(WEIGHT):  # 0.3.75 keeps Flux's norms as `.scale`: no weight a `.weight` change goes to
+            found[name] = (*rows, params[rows[0]][0])
+    return found
+
+
+def _read_rows(tensor, by_id: dict[int, str]):
+    """(ComfyUI path, first row, row count) the tagged rows of a converted tensor come from, or None when they are
+    not one contiguous block of one weight's rows."""
+    import torch
+    flat = tensor.reshape(tensor.shape[0], -1)
+    if flat.shape[1] != 1 or flat.min() < ROW_TAG:
+        return None
+    tags = flat[:, 0].to(torch.int64)
+    weight, rows = int(tags[0]) // ROW_TAG, tags % ROW_TAG
+    contiguous = torch.equal(tags // ROW_TAG, torch.full_like(tags, weight)) and torch.equal(
+        rows, torch.arange(int(rows[0]), int(rows[0]) + len(rows)))
+    path = by_id.get(weight)
+    return (path, int(rows[0]), len(rows)) if path is not None and contiguous else None
+
+
+def trace_lora(arch: Arch, params: dict, config: dict | None) -> dict[str, object]:
+    """trace() through a LoRA converter, one module at a time: a rank-1 LoRA on each ComfyUI weight, its lora_B's
+    rows tagged (weight, row); where the converter puts those rows (under which diffusers module, which rows of it)
+    says which diffusers module the weight is. A module the converter refuses (ValueError: Ideogram 4's converts the
+    blocks only) is diffusers' module of the same path where diffusers' model has that weight at the same shape:
+    the converter renames nothing there, as the trainers' own maps say (OneTrainer's IdeogramModel
+    .diffusers_to_original: everything but the attention "keeps its diffusers name")."""
+    import torch
+
+    function = getattr(importlib.import_module("diffusers.loaders.lora_conversion_utils"), arch.converter[len(LORA):])
+    overrides = {k: v for k, v in (config or {}).items() if k in arch.diffusers_model[1]}
+    same_path = diffusers_shapes(arch, overrides) if arch.diffusers_model[0] else {}
+    weights = sorted(p for p in params if p.endswith(WEIGHT) and len(params[p]) >= 2 and p.startswith(arch.lora_root))
+    found: dict[str, object] = {}
+    for number, path in enumerate(weights, 1):
+        shape, stem = params[path], path[len(arch.lora_root): -len(WEIGHT)]
+        up = number * ROW_TAG + torch.arange(shape[0], dtype=torch.float64)
+        lora = {f"{arch.lora_prefix}{stem}.lora_A.weight": torch.ones(1, *shape[1:], dtype=torch.float64),
+                f"{arch.lora_prefix}{stem}.lora_B.weight": up.reshape(shape[0], 1, *([1] * (len(shape) - 2)))}
+        try:
+            converted = function(lora)
+        except ValueError:  # a module this converter does not convert
+            name = path[len(arch.lora_root):]
+            if same_path.get(name) == shape:
+                found[name] = (path, 0, shape[0], shape[0])
             continue
-        if path.endswith(WEIGHT):  # 0.3.75 keeps Flux's norms as `.scale`: no weight a `.weight` change goes to
-            found[name] = (path, int(rows[0]), len(rows), params[path][0])
+        for key, tensor in converted.items():
+            if not (key.startswith(TRANSFORMER) and key.endswith(LORA_B)):
+                continue  # lora_A, or a module of another pipeline component (Anima's text conditioner)
+            name = key[len(TRANSFORMER): -len(LORA_B)] + WEIGHT
+            rows = _read_rows(tensor, {number: path})
+            found[name] = "converted" if rows is None else (*rows, shape[0])
     return found
 
 
@@ -345,14 +434,19 @@ def generalise(found: dict[str, object], stacks: set[str]) -> tuple[list[dict], 
     return sorted(rules, key=lambda r: (r["diffusers"], r["comfy"])), sorted(converted)
 
 
-def diffusers_weights(arch: Arch, overrides: dict | None = None) -> set[str]:
-    """The weight names of diffusers' own model for this architecture, as deep as the traced one."""
+def diffusers_shapes(arch: Arch, overrides: dict | None = None) -> dict[str, tuple[int, ...]]:
+    """The weights of diffusers' own model for this architecture, as deep as the traced one, and their shapes."""
     import diffusers
     import torch
     name, config = arch.diffusers_model[0], {**arch.diffusers_model[1], **(overrides or {})}
     with torch.device("meta"):
         model = getattr(diffusers, name)(**config)
-    return {key for key in model.state_dict() if key.endswith(WEIGHT)}
+    return {key: tuple(value.shape) for key, value in model.state_dict().items() if key.endswith(WEIGHT)}
+
+
+def diffusers_weights(arch: Arch, overrides: dict | None = None) -> set[str]:
+    """The weight names of diffusers' own model for this architecture, as deep as the traced one."""
+    return set(diffusers_shapes(arch, overrides))
 
 
 def available(arch: Arch) -> bool:
@@ -369,7 +463,8 @@ def derive(archs: list[Arch] | None = None) -> dict:
         rules, converted = generalise({k: v for k, v in found.items() if k in known},
                                       block_stacks(meta_model(arch)))
         source = arch.converter if ":" in arch.converter else f"diffusers.loaders.single_file_utils.{arch.converter}"
-        table[arch.name] = {"image_model": arch.config["image_model"], "supported_model": arch.supported,
+        kind = next(k for k in MODEL_KINDS if k in arch.config)
+        table[arch.name] = {kind: arch.config[kind], "supported_model": arch.supported,
                             "converter": source, "names": arch.names,
                             "rules": rules, "converted": converted}
         if missing:  # depends on which of ComfyUI's names the trace starts from, so it is said, not stored

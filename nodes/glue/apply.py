@@ -5,8 +5,10 @@ is half-applied: every module is checked against its target weight before any pa
 """
 
 import difflib
+import itertools
 import logging
 import uuid
+from dataclasses import replace
 
 import comfy.utils
 import torch
@@ -32,16 +34,19 @@ from .coverage import (
     MAX_LISTED,
     NO_CLIP,
     NO_MODEL,
+    NOT_CONNECTED,
     TEXT_ENCODER_PREFIXES,
     Applied,
     ApplyReport,
     Target,
+    by_design,
     family_verdict,
     model_family,
     nothing_applied_error,
     rounded_merge_warning,
 )
-from .keymap import lora_key_map, model_shapes
+from .keymap import fused_parts, lora_key_map, model_shapes, unknown_row_order
+from .object_params import changed_parameter, is_skipped_by_load
 
 log = logging.getLogger("lycoris_nodes")
 
@@ -69,6 +74,14 @@ def _bias_key(patch_key):
 NO_SUCH_WEIGHT = "no weight of this model has this name"
 
 
+def _parameter_key(module: Module, key_map: dict) -> str | None:
+    """A part that patches another parameter of its module (LightX2V's `diff_m`: `modulation`) goes to that
+    parameter's own key-map entry: ComfyUI maps every diffusion-model parameter that is not a `.weight` to itself
+    (comfy/lora.py `model_lora_keys_unet`, "generic lora format for not .weight"). A whole parameter only."""
+    key = key_map.get(f"{module.prefix}.{module.param}")
+    return key if isinstance(key, str) and not key.endswith(".weight") else None
+
+
 def _nearest(prefix: str, names: list[str]) -> str:
     """The closest module name of this model, searched among names of about the same length and start (difflib
     over a whole key map costs ~0.06 s a module, too slow for a file made for another model)."""
@@ -89,7 +102,7 @@ def _add_nearest_names(report: ApplyReport, lfile: LycorisFile, key_map: dict) -
 def find_target(module: Module, key_map: dict, shapes: dict[str, dict]) -> Target | str | None:
     """Where this module goes, or the reason it goes nowhere; None for an optional part whose parameter this layer
     does not have (nothing to change)."""
-    patch_key = key_map.get(module.prefix)
+    patch_key = key_map.get(module.prefix) if module.param in ("weight", "bias") else _parameter_key(module, key_map)
     if patch_key is None:
         is_text_encoder = module.prefix.startswith(TEXT_ENCODER_PREFIXES)
         if is_text_encoder and "clip" not in shapes:
@@ -101,6 +114,9 @@ def find_target(module: Module, key_map: dict, shapes: dict[str, dict]) -> Targe
         patch_key = _bias_key(patch_key)
         if patch_key is None:
             return "bias change for a target that has no separate bias"
+    unknown = unknown_row_order(patch_key, module.adapter_named)
+    if unknown is not None:
+        return unknown
     key = patch_key if isinstance(patch_key, str) else patch_key[0]
     offset = None if isinstance(patch_key, str) else patch_key[1]
     for side, side_shapes in shapes.items():
@@ -118,8 +134,99 @@ def reads_converted_weight(target: Target, plan: Plan) -> bool:
     return converted and (reads_weight(plan) or plan.algorithm == "peft-ia3-bias")
 
 
+SUPERSEDED = ("the file's fused module {fused} covers this weight: diffusers keeps the unfused projection beside the "
+              "fused one after fuse_qkv_projections, and the trained forward runs only the fused one")
+
+
+def superseded_parts(lfile: LycorisFile, key_map: dict) -> dict[str, str]:
+    """Unfused projection name -> the fused module of the same file that replaces it in the trained forward."""
+    return {part: module.prefix for module in lfile.modules.values()
+            for part in fused_parts(module.prefix, key_map) or ()}
+
+
+def split_targets(module: Module, parts: tuple[str, ...], key_map: dict, shapes: dict[str, dict]
+                  ) -> Target | list[Target] | str | None:
+    """Where a fused module's rows go: one target when its projections are consecutive rows of one weight (Flux's
+    qkv), else one target per projection, in row order; or the reason they go nowhere."""
+    targets = []
+    for name in parts:
+        target = find_target(replace(module, prefix=name), key_map, shapes)
+        if not isinstance(target, Target):
+            return target if target is None else f"its projection {name}: {target}"
+        if not isinstance(target.patch_key, str) and len(target.patch_key) > 2 and target.patch_key[2] is not None:
+            return f"its projection {name} is stored converted by ComfyUI"  # a converter maps whole changes only
+        targets.append(target)
+    inputs = {(t.side, t.shape[1:]) for t in targets}
+    if len(inputs) != 1:
+        return "its projections' weights take inputs of different sizes: " + ", ".join(
+            f"{name} {list(t.shape)}" for name, t in zip(parts, targets))
+    return _consecutive(targets, shapes) or targets
+
+
+def _consecutive(targets: list[Target], shapes: dict[str, dict]) -> Target | None:
+    """The one target the parts make up when they are consecutive row slices of one weight (the whole weight, or
+    its rows from the first part's on), else None."""
+    key, offsets = targets[0].key, [t.offset for t in targets]
+    if (any(t.key != key for t in targets) or None in offsets
+            or any(a[1] + a[2] != b[1] for a, b in itertools.pairwise(offsets))):
+        return None
+    start, rows = offsets[0][1], sum(o[2] for o in offsets)
+    whole = rows == shapes[targets[0].side][key][0]
+    return Target(targets[0].side, key if whole else (key, (0, start, rows)), (rows, *targets[0].shape[1:]))
+
+
+def split_modules(module: Module, targets: list[Target], reference: bool, file: str
+                  ) -> list[tuple[Target, Module, Plan]]:
+    """The fused module checked against the weight its projections' rows make up (rows sum to its out dim), then
+    one module per projection: its rows of the fused change (Module.rows), planned for that projection's weight."""
+    fused = (sum(t.shape[0] for t in targets), *targets[0].shape[1:])
+    try:
+        module.plan_for(fused, reference=reference, file=file)
+    except LycorisError as e:
+        sizes = " + ".join(str(t.shape[0]) for t in targets)
+        raise LycorisError(f"{e.reason} (this model's projections: {sizes} rows)", file=file, key=e.key) from e
+    split, start = [], 0
+    for target in targets:
+        part = module.rows(start, target.shape[0], fused, file=file)
+        split.append((target, part, part.plan_for(target.shape, reference=reference, file=file)))
+        start += target.shape[0]
+    return split
+
+
+def _add_split(report: ApplyReport, patches: dict, module_key: str, module: Module, targets: list[Target],
+               reference: bool) -> None:
+    """One fused module applied to several weights: one patch per weight, counted once in the report."""
+    try:
+        split = split_modules(module, targets, reference, report.file)
+    except LycorisError as e:
+        report.problems.append((module_key, e.reason))
+        return
+    for target, part, plan in split:
+        patches[target.side][target.patch_key] = LycorisAdapter.from_module(part, plan)
+        report.targets[f"{module_key}[{target.key}]"] = Applied(target, plan, part)
+    report.applied[module_key] = " + ".join(t.key for t in targets)
+    report.labels[split[0][2].label] += 1
+    report.params_applied += _params(module)
+
+
 def _params(module: Module) -> int:
     return sum(t.numel() for t in module.tensors.values())
+
+
+def _report_miss(report: ApplyReport, module_key: str, module: Module, reason: str, shapes: dict[str, dict]) -> None:
+    """A module with no target: harmless when a side is not connected or the model lacks it by design (a rule of
+    coverage.BY_DESIGN holds on this model's weights), a failure otherwise."""
+    if reason in NOT_CONNECTED:
+        report.harmless.append((module_key, reason))
+        report.harmless_what[NOT_CONNECTED[reason]] += 1
+        return
+    missing = reason == NO_SUCH_WEIGHT or reason.startswith("target ")
+    rule = by_design(module, shapes.get("model", {})) if missing else None
+    if rule is None:
+        report.problems.append((module_key, reason))
+        return
+    report.harmless.append((module_key, rule.reason))
+    report.harmless_what[rule.what] += 1
 
 
 def build_patches(lfile: LycorisFile, key_map: dict, shapes: dict[str, dict], reference: bool
@@ -127,16 +234,27 @@ def build_patches(lfile: LycorisFile, key_map: dict, shapes: dict[str, dict], re
     report = ApplyReport(lfile.name, len(lfile.modules))
     report.unused_keys = [(u.key, u.reason) for u in lfile.unused]
     report.warnings = list(lfile.warnings)
+    report.notes = list(lfile.notes)
     patches: dict[str, dict] = {side: {} for side in shapes}
     resolved_options = []  # options assumed only once the target's shape was known (a square conv's (IA)³ side)
+    superseded = superseded_parts(lfile, key_map)
     for module_key, module in lfile.modules.items():
-        target = find_target(module, key_map, shapes)
+        if module.prefix in superseded:
+            report.total -= 1
+            report.unused_keys.append((module_key, SUPERSEDED.format(fused=superseded[module.prefix])))
+            continue
+        parts = fused_parts(module.prefix, key_map)
+        target = find_target(module, key_map, shapes) if parts is None else split_targets(module, parts, key_map,
+                                                                                           shapes)
         if target is None:  # e.g. PEFT's (IA)³ bias part on a layer without a bias: PEFT's merge changes nothing
             report.total -= 1
             continue
         report.params_total += _params(module)
         if isinstance(target, str):
-            report.problems.append((module_key, target))
+            _report_miss(report, module_key, module, target, shapes)
+            continue
+        if isinstance(target, list):
+            _add_split(report, patches, module_key, module, target, reference)
             continue
         try:
             plan = module.plan_for(target.shape, reference=reference, file=lfile.name)
@@ -226,6 +344,8 @@ def apply_file(lfile: LycorisFile, model, clip, strength_model: float, strength_
         report.warnings.append(rounded_merge_warning(report.merged_rounded, apply_mode))
     for warning in report.warnings:
         log.warning("LyCORIS %s", warning)
+    for note in report.notes:
+        log.info("LyCORIS %s", note)
     return new_model, new_clip, report
 
 
@@ -270,7 +390,7 @@ def patched_clone(target, patches: dict, strength: float, weights: BlockWeights 
     bypassed count, and how many of those are added at the weight cast instead of the forward."""
     patched = target.clone()
     patcher = getattr(patched, "patcher", patched)  # a CLIP keeps its ModelPatcher in .patcher
-    refused, bypassed, merged = [], [], set()
+    refused, bypassed, merged, any_replaced = [], [], set(), False
     before = bypassed_layers(patcher)
     # merge with no bypassed file before it: nothing can be bypassed, so skip the per-layer look-up
     modules = dict(patcher.model.named_modules()) if apply_mode != "merge" or before else {}
@@ -281,10 +401,17 @@ def patched_clone(target, patches: dict, strength: float, weights: BlockWeights 
                                       merged_in)}
         bypassed += [(_weight_key(k), contribution(group[k], k, strength * weight)) for k in group if k in to_bypass]
         to_merge = {k: a for k, a in group.items() if k not in to_bypass}
+        replaced = {k: a for k, a in to_merge.items() if isinstance(k, str) and is_skipped_by_load(patcher.model, k)}
+        for k, adapter in replaced.items():  # ComfyUI's loading would never patch these (object_params.py)
+            patcher.add_object_patch(k, changed_parameter(patcher, k, adapter, strength * weight))
+        to_merge = {k: a for k, a in to_merge.items() if k not in replaced}
+        any_replaced = any_replaced or bool(replaced)
         merged.update(_weight_key(k) for k in to_merge)
         if to_merge:
             accepted = set(patched.add_patches(to_merge, strength * weight))
             refused += [k for k in to_merge if k not in accepted]
+    if any_replaced:  # a new weight set, as ComfyUI's own object-patching set_model_compute_dtype marks it
+        patcher.patches_uuid = uuid.uuid4()
     if refused:
         # add_patches only refuses keys missing from the state dict, which find_target already ruled out.
         raise LycorisError(f"ComfyUI refused {len(refused)} patches, e.g. {refused[0]}", file=file)

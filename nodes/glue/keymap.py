@@ -31,7 +31,9 @@ from . import gguf
 COMFY_BUILDERS = {False: comfy.lora.model_lora_keys_unet, True: comfy.lora.model_lora_keys_clip}
 
 UNET_PREFIXES = ("", "unet.", "base_model.model.", "unet.base_model.model.")
-DIT_PREFIXES = ("", "transformer.", "base_model.model.")
+# `diffusion_model.` before a diffusers path: SimpleTuner's comfyui format (bghira/SimpleTuner
+# simpletuner/helpers/training/lora_format.py convert_diffusers_to_comfyui: `transformer.` -> `diffusion_model.`).
+DIT_PREFIXES = ("", "transformer.", "base_model.model.", "diffusion_model.")
 # diffusers paths with dots as underscores after a prefix: the LyCORIS wrapper's `lycoris_` (SimpleTuner's
 # lora_type=lycoris, as ComfyUI's own map writes it for Flux/SD3) and OneTrainer's legacy `lora_transformer_`.
 DIT_UNDERSCORED_PREFIXES = ("lycoris_", "lora_transformer_")
@@ -40,7 +42,44 @@ DIT_UNDERSCORED_PREFIXES = ("lycoris_", "lora_transformer_")
 # Tencent's names and Z-Image's split q/k/v, which are the paths ComfyUI's own map lists under `transformer.`
 # (its diffusion-pipe and z_image_to_diffusers entries); ComfyUI's `lora_unet_` entries use its own paths.
 MUSUBI = "lora_unet_"
+# musubi-tuner's HunyuanVideo 1.5 port splits each fused attention projection (Tencent's `img_attn_qkv`) into
+# `img_attn_q`, `_k`, `_v` (src/musubi_tuner/hunyuan_video_1_5/hunyuan_video_1_5_modules.py MMDoubleStreamBlock),
+# which its own converter to ComfyUI (networks/convert_hunyuan_video_1_5_lora_to_comfy.py) concatenates in that
+# order, in equal thirds, into the fused weight.
+MUSUBI_FUSED_QKV, MUSUBI_SPLIT_QKV = "_attn_qkv", ("_attn_q", "_attn_k", "_attn_v")
 DIFFUSION_MODEL = "diffusion_model."
+# Modules ComfyUI's model holds that diffusers keeps in another pipeline component, under the path diffusers' own
+# conversion gives them: LTX-2's text connectors (diffusers' LTX2TextConnectors, which SimpleTuner hangs on the
+# transformer as `connectors`: helpers/models/ltxvideo2/model.py; renamed as its checkpoint_loader.py
+# LTX_2_0_CONNECTORS_KEYS_RENAME_DICT renames the original's; diffusers' single-file converter drops them).
+COMPONENT_RENAMES = {"ltxav": (
+    ("audio_embeddings_connector.transformer_1d_blocks.", "connectors.audio_connector.transformer_blocks."),
+    ("video_embeddings_connector.transformer_1d_blocks.", "connectors.video_connector.transformer_blocks."))}
+# Trainers whose model port keeps the original module paths (ComfyUI's, without `diffusion_model.`) and name them
+# under a prefix of their own, per architecture (unet_config's image_model): (prefix, dots as underscores).
+# Ideogram 4: SimpleTuner trains its own port of the original (bghira/SimpleTuner at bc8e6ab7,
+# simpletuner/helpers/models/ideogram/transformer.py: attention.qkv/.o, feed_forward.w1-3) and saves it through its
+# Ideogram4Pipeline.save_lora_weights (`transformer.`) or the LyCORIS wrapper (`lycoris_`, save_hooks._save_lycoris).
+# Anima: OneTrainer's ORIGINAL format nests the DiT under the original checkpoint's `net.` (Nerogar/OneTrainer at
+# 23df3832, modules/model/AnimaModel.py diffusers_to_original: add_prefix("net"); LoRASaverMixin._save_original).
+# HiDream-O1: newer ComfyUIs list `model.` + ComfyUI's path (Comfy-Org/ComfyUI comfy/lora.py model_lora_keys_unet
+# at 17358c8, `isinstance(model, comfy.model_base.HiDreamO1)`), the original checkpoint's wrapper; musubi-tuner trains
+# that checkpoint's Qwen3VLForConditionalGeneration (kohya-ss/musubi-tuner at 30c658c4, hidream_o1/hidream_o1_utils.py;
+# networks/lora_hidream_o1.py), so its names are `lora_unet_model_` + ComfyUI's path, dots as underscores.
+ORIGINAL_PATH_PREFIXES = {
+    "ideogram4": (("transformer.", False), ("lycoris_", True)),
+    "hidream_o1": (("model.", False), ("lora_unet_model_", True)),
+    "anima": (("net.", False),),
+}
+# kohya-style names (`lora_unet_` + a path, dots as underscores) a trainer's own port of a model writes, per
+# architecture (image_model) and block list: (the port's fragment, ComfyUI's). HunyuanImage 2.1 (and its refiner) in
+# sd-scripts keeps Tencent's names, which its own converter renames to ComfyUI's (kohya-ss/sd-scripts at 48d368fa,
+# networks/convert_hunyuan_image_lora_to_comfy.py: double_blocks_mappings, single_blocks_mappings); ComfyUI lists
+# Tencent's names only for HunyuanVideo's model class (its diffusion-pipe entries), which these give again.
+KOHYA_FRAGMENTS = {"hunyuan_video": {
+    "double_blocks_": (("img_mlp_fc1", "img_mlp_0"), ("img_mlp_fc2", "img_mlp_2"), ("img_mod_linear", "img_mod_lin"),
+                       ("txt_mlp_fc1", "txt_mlp_0"), ("txt_mlp_fc2", "txt_mlp_2"), ("txt_mod_linear", "txt_mod_lin")),
+    "single_blocks_": (("modulation_linear", "modulation_lin"),)}}
 # The prefixes under which ComfyUI itself lists a DiT's diffusers names; their paths are the modules we re-prefix.
 DIT_SOURCES = ("transformer.", "base_model.model.", "unet.base_model.model.")
 TEXT_ENCODER_PIPE_PREFIXES = ("text_encoder.", "text_encoder_2.", "text_encoder_3.")
@@ -75,11 +114,17 @@ def unet_module_paths(model) -> dict[str, str]:
 
 DIFFUSERS_NAMES = Path(__file__).with_name("diffusers_names.json")
 BLOCK_INDEX = re.compile(r"\\\{(\d+)\\\}")  # `{0}` as re.escape writes it
+MODEL_KINDS = ("image_model", "audio_model")  # the unet_config key naming the architecture (ACE-Step: audio_model)
+
+
+def _model_kind(config: dict) -> str | None:
+    """The architecture's name in a unet config or a diffusers_names.json entry."""
+    return next((config[k] for k in MODEL_KINDS if k in config), None)
 
 
 @functools.cache
 def _converter_rules() -> dict[tuple[str, str], list[tuple[re.Pattern, str, tuple | None]]]:
-    """(image_model, how files name the modules) -> (ComfyUI path pattern, converted path template, rows as (start,
+    """(image_model or audio_model, how files name the modules) -> (ComfyUI path pattern, converted path template, rows as (start,
     count, of) or None). A rule for one block's exact path (Mochi's last block) comes first and stands for that
     block alone."""
     table = json.loads(DIFFUSERS_NAMES.read_text(encoding="utf-8"))["architectures"]
@@ -88,7 +133,7 @@ def _converter_rules() -> dict[tuple[str, str], list[tuple[re.Pattern, str, tupl
         for rule in arch["rules"]:
             pattern = re.compile(BLOCK_INDEX.sub(r"(\\d+)", re.escape(rule["comfy"] + WEIGHT)))
             rows = tuple(rule["rows"]) if rule["rows"] else None
-            rules.setdefault((arch["image_model"], arch["names"]), []).append((pattern, rule["diffusers"], rows))
+            rules.setdefault((_model_kind(arch), arch["names"]), []).append((pattern, rule["diffusers"], rows))
     return {key: sorted(found, key=lambda rule: rule[0].groups > 0) for key, found in rules.items()}
 
 
@@ -97,7 +142,7 @@ def converted_module_paths(model, names: str = "diffusers") -> list[tuple[str, o
     the converters give for this architecture ([] for one they were not run on): diffusers' paths, or with
     names="bare" the paths DiffSynth-Studio's own models use."""
     config = getattr(getattr(model, "model_config", None), "unet_config", None) or {}
-    rules = _converter_rules().get((config.get("image_model"), names), ())
+    rules = _converter_rules().get((_model_kind(config), names), ())
     if not rules:
         return []
     paths = []
@@ -139,6 +184,30 @@ def dit_module_paths(comfy_map: dict) -> list[tuple[str, object]]:
     return paths
 
 
+def component_module_paths(model) -> list[tuple[str, str]]:
+    """diffusers' paths of the modules ComfyUI's model holds from another diffusers component (COMPONENT_RENAMES)."""
+    config = getattr(getattr(model, "model_config", None), "unet_config", None) or {}
+    renames = COMPONENT_RENAMES.get(config.get("image_model"), ())
+    paths = []
+    for key in model.state_dict() if renames else ():
+        path = key[len(DIFFUSION_MODEL): -len(WEIGHT)]
+        if key.startswith(DIFFUSION_MODEL) and key.endswith(WEIGHT):
+            paths += [(theirs + path[len(ours):], key) for ours, theirs in renames if path.startswith(ours)]
+    return paths
+
+
+def musubi_split_qkv_names(listed: list[tuple[str, object]], shapes: dict) -> list[tuple[str, object]]:
+    """musubi's `lora_unet_…_attn_q/_k/_v` -> the thirds of the rows of the fused `…_attn_qkv` ComfyUI lists under
+    its Tencent name (MUSUBI_SPLIT_QKV); a fused weight whose rows do not divide in three gets none."""
+    names = []
+    for path, target in listed:
+        if not (path.endswith(MUSUBI_FUSED_QKV) and isinstance(target, str) and shapes[target][0] % 3 == 0):
+            continue
+        rows, stem = shapes[target][0] // 3, MUSUBI + path[: -len(MUSUBI_FUSED_QKV)].replace(".", "_")
+        names += [(stem + part, (target, (0, i * rows, rows))) for i, part in enumerate(MUSUBI_SPLIT_QKV)]
+    return names
+
+
 def _row_slices(comfy_map: dict) -> dict[str, set[tuple[int, int, int]]]:
     """fused weight key -> the output-row slices ComfyUI's map gives parts of it (Flux's to_q/to_k/to_v in qkv)."""
     slices: dict[str, set] = {}
@@ -163,6 +232,34 @@ def fused_part_names(comfy_map: dict) -> list[tuple[str, object]]:
     return names
 
 
+def kohya_fragment_names(model) -> list[tuple[str, str]]:
+    """`lora_unet_` names with the port's fragments of KOHYA_FRAGMENTS in place of ComfyUI's (reversed as the
+    trainer's converter reverses them)."""
+    config = getattr(getattr(model, "model_config", None), "unet_config", None) or {}
+    stacks = KOHYA_FRAGMENTS.get(config.get("image_model"), {})
+    names = []
+    for key in model.state_dict() if stacks else ():
+        path = key[len(DIFFUSION_MODEL): -len(WEIGHT)].replace(".", "_")
+        for stack, fragments in stacks.items():
+            if key.startswith(DIFFUSION_MODEL) and key.endswith(WEIGHT) and path.startswith(stack):
+                renamed = path
+                for theirs, ours in fragments:
+                    renamed = renamed.replace(ours, theirs)
+                if renamed != path:
+                    names.append((MUSUBI + renamed, key))
+    return names
+
+
+def original_path_names(model) -> list[tuple[str, str]]:
+    """ComfyUI's own module paths under the prefixes ORIGINAL_PATH_PREFIXES lists for this architecture."""
+    config = getattr(getattr(model, "model_config", None), "unet_config", None) or {}
+    prefixes = ORIGINAL_PATH_PREFIXES.get(config.get("image_model"), ())
+    paths = [(key[len(DIFFUSION_MODEL): -len(WEIGHT)], key) for key in model.state_dict()
+             if prefixes and key.startswith(DIFFUSION_MODEL) and key.endswith(WEIGHT)]
+    return [(prefix + (path.replace(".", "_") if underscored else path), key)
+            for prefix, underscored in prefixes for path, key in paths]
+
+
 def diffusion_model_names(model, comfy_map: dict) -> dict:
     """Every prefixed diffusers/PEFT name of this diffusion model that ComfyUI's map lacks, and the indexed names
     of the parts of its fused weights."""
@@ -170,16 +267,19 @@ def diffusion_model_names(model, comfy_map: dict) -> dict:
     candidates = [(prefix + path, key) for path, key in unet.items() for prefix in UNET_PREFIXES]
     if not unet:
         listed = dit_module_paths(comfy_map)
-        paths = listed + converted_module_paths(model)
+        paths = listed + converted_module_paths(model) + component_module_paths(model)
         candidates += [(prefix + path, target) for path, target in paths for prefix in DIT_PREFIXES]
         candidates += [(prefix + path.replace(".", "_"), target) for path, target in paths
                        for prefix in DIT_UNDERSCORED_PREFIXES]
         candidates += [(MUSUBI + path.replace(".", "_"), target) for path, target in listed]
+        candidates += musubi_split_qkv_names(listed, model_shapes(model))
         # DiffSynth-Studio saves PEFT's state dict of its own model with no prefix: its paths are the original
         # model's (Wan: `blocks.0.self_attn.q`, ComfyUI's paths without `diffusion_model.`) or its own (Flux).
         candidates += [(key[len(DIFFUSION_MODEL): -len(WEIGHT)], key) for key in model.state_dict()
                        if key.startswith(DIFFUSION_MODEL) and key.endswith(WEIGHT)]
         candidates += converted_module_paths(model, names="bare")
+        candidates += original_path_names(model)
+        candidates += kohya_fragment_names(model)
     candidates += fused_part_names(comfy_map)
     return _merged(candidates)
 
@@ -222,7 +322,7 @@ def text_encoder_names(clip_model, comfy_map: dict) -> dict:
     """Every weight of each text encoder ComfyUI's map names a diffusers pipeline prefix for, under that prefix
     (also with PEFT's wrapper after it), with and without CLIPTextModel's `text_model.` wrapper. PEFT's
     `save_pretrained` names (`base_model.model.` alone) do not say which encoder they are for: they map only when
-    there is one."""
+    there is one. The language-model encoders' names (ordered_encoder_names) come after these."""
     weight_keys = [k for k in clip_model.state_dict() if k.endswith(WEIGHT)]
     roots = _encoder_roots(comfy_map, set(weight_keys))
     prefixes = {pipe: (pipe, pipe + PEFT_WRAPPER) + ((PEFT_WRAPPER,) if len(set(roots.values())) == 1 else ())
@@ -234,7 +334,129 @@ def text_encoder_names(clip_model, comfy_map: dict) -> dict:
                 path = key[len(root): -len(WEIGHT)]
                 candidates += [(prefix + form, key) for form in {path, path.removeprefix(CLIP_TEXT_WRAPPER)}
                                for prefix in prefixes[pipe]]
+    return {**ordered_encoder_names(weight_keys), **_merged(candidates)}
+
+
+# A language-model text encoder as ComfyUI ports it: `<name>.transformer.model.layers.N…` (its Llama2_ is `.model`).
+LM_ROOT = re.compile(r"([^.]+\.transformer\.)model\.layers\.\d+\.")
+LM_MODEL = "model."
+# The wrappers transformers saves that language model under, in place of ComfyUI's `model.`: none for a base model
+# (LlamaModel, Qwen3Model, Gemma2Model: `layers.N…`); `model.` for a causal LM (Qwen3ForCausalLM, ComfyUI's own);
+# transformers 5's vision-language models, `model.language_model.` (Qwen2_5_VL / Qwen3VL / Gemma3 / Mistral3
+# ForConditionalGeneration) or `language_model.` (their base models Qwen3VLModel, Mistral3Model); and transformers
+# 4's Gemma3 / Mistral3 `language_model.model.` (what conversion_mapping.py's "llava" renames into
+# `model.language_model.`).
+LM_WRAPPERS = ("", "model.", "model.language_model.", "language_model.", "language_model.model.")
+# transformers 5 moves Qwen2.5-VL's vision tower under `model.` as well: `model.visual.blocks.N…`.
+VISION, VISION_WRAPPER = "visual.", "model."
+# diffusers' order of a pipeline's text encoders (text_encoder, text_encoder_2, … as kohya's lora_te1_, lora_te2_, …),
+# by ComfyUI's names for them, where an LLM is among them and ComfyUI's map gives it no place: HunyuanVideoPipeline
+# (text_encoder = LlamaModel, text_encoder_2 = CLIPTextModel) and HiDreamImagePipeline (CLIP-L, CLIP-G, T5, Llama);
+# OneTrainer declares the same (Nerogar/OneTrainer modules/model/{HunyuanVideo,HiDream}Model.py lora_text_encoders).
+PIPELINE_ORDERS = (("llama", "clip_l"), ("clip_l", "clip_g", "t5xxl", "llama"))
+PIPE_WRAPPER = "text_encoders."  # ComfyUI's generic prefix: `text_encoders.` + its own key (OneTrainer's COMFY format)
+KOHYA_SOLO = "lora_te_"  # kohya's one text encoder (sd-scripts' Anima / Lumina networks)
+
+
+def _forms(path: str, language_model: bool) -> set[str]:
+    """The module paths trainers write for ComfyUI's `path` (relative to `<name>.transformer.`)."""
+    if language_model and path.startswith(LM_MODEL):
+        return {wrapper + path[len(LM_MODEL):] for wrapper in LM_WRAPPERS}
+    if path.startswith(VISION):
+        return {path, VISION_WRAPPER + path}
+    return {path, path.removeprefix(CLIP_TEXT_WRAPPER)}
+
+
+def _encoder_places(weight_keys) -> tuple[dict[str, int], set[str]]:
+    """(root -> its pipeline index, the language-model roots): by PIPELINE_ORDERS where the model's encoders are one
+    of those, else 1 for a language model that is the model's only encoder; roots without a place are left out."""
+    roots = {key[: key.index(".transformer.") + len(".transformer.")] for key in weight_keys
+             if ".transformer." in key and "." not in key[: key.index(".transformer.")]}
+    models = {match.group(1) for key in weight_keys if (match := LM_ROOT.match(key))}
+    names = {root.split(".")[0]: root for root in roots}
+    for order in PIPELINE_ORDERS:
+        if set(order) == set(names):
+            return {names[name]: index for index, name in enumerate(order, 1)}, models
+    return ({root: 1 for root in models} if len(roots) == 1 else {}), models
+
+
+def ordered_encoder_names(weight_keys: list[str]) -> dict:
+    """The names trainers give the text encoders ComfyUI's map has no pipeline place for (the language models, and
+    HunyuanVideo's CLIP-L as its second encoder): `text_encoder[_N].` (also with PEFT's wrapper), kohya's
+    `lora_te[N]_`, PEFT's `base_model.model.` for an only encoder, and `text_encoders.<ComfyUI's root>` with the
+    language model under each of transformers' wrappers (LM_WRAPPERS)."""
+    places, models = _encoder_places(weight_keys)
+    candidates = []
+    for key in weight_keys:
+        root = next((r for r in places.keys() | models if key.startswith(r)), None)
+        if root is None:
+            continue
+        forms = _forms(key[len(root): -len(WEIGHT)], root in models)
+        if root in models:
+            candidates += [(PIPE_WRAPPER + root + form, key) for form in forms]
+        if root in places:
+            index = places[root]
+            pipe = "text_encoder." if index == 1 else f"text_encoder_{index}."
+            prefixes = [pipe, pipe + PEFT_WRAPPER] + ([PEFT_WRAPPER] if len(places) == 1 else [])
+            candidates += [(prefix + form, key) for form in forms for prefix in prefixes]
+            kohya = [f"lora_te{index}_"] + ([KOHYA_SOLO] if len(places) == 1 else [])
+            candidates += [(prefix + form.replace(".", "_"), key) for form in forms for prefix in kohya]
     return _merged(candidates)
+
+
+# diffusers' fused projections and the projections they concatenate, in row order (diffusers 0.42's
+# AttentionModuleMixin.fuse_projections and Attention.fuse_projections, called by `fuse_qkv_projections`: `to_qkv` =
+# cat(to_q, to_k, to_v), `to_kv` for cross-attention, `to_added_qkv` = cat(add_q_proj, add_k_proj, add_v_proj);
+# WanAttention.fuse_projections also `to_added_kv` = cat(add_k_proj, add_v_proj)). SimpleTuner trains adapters there
+# with `--fuse_qkv_projections`. diffusers keeps the unfused modules beside the fused one.
+FUSED_PROJECTIONS = {
+    "to_qkv": ("to_q", "to_k", "to_v"),
+    "to_kv": ("to_k", "to_v"),
+    "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
+    "to_added_kv": ("add_k_proj", "add_v_proj"),
+}
+
+
+def fused_parts(name: str, key_map: dict) -> tuple[str, ...] | None:
+    """The names of the projections a fused module name (`…attn.to_qkv`, `lycoris_…_attn_to_qkv`) concatenates by
+    rows, when the map has every one of them and not the fused name itself (ComfyUI's own entries win); else None."""
+    if name in key_map:
+        return None
+    for fused, parts in FUSED_PROJECTIONS.items():
+        for separator in (".", "_"):
+            if name.endswith(separator + fused):
+                names = tuple(name[: -len(fused)] + part for part in parts)
+                return names if all(n in key_map for n in names) else None
+    return None
+
+
+# Weights whose rows the writer's model may read in another order than ComfyUI's, under the same names and shapes,
+# told apart only by how the writer saves its keys (Module.adapter_named): ComfyUI key pattern -> why such a module is
+# refused. DiffSynth-Studio keeps PEFT's `.default.` (keys.ADAPTER_NAMED) and trains MiniMax H3 LoRAs on two models
+# (diffsynth/configs/model_configs.py, "minimax_h3_dit"): MiniMaxH3DiT for the original MiniMax/MiniMax-H3 checkpoint
+# (and its own NF4), whose MiniMaxH3Attention.forward reads qkv_proj's rows per head, view(total, heads, 3, head_dim)
+# (diffsynth/models/minimax_h3_dit.py), and MiniMaxH3DiTComfy(Pruned) for Comfy-Org/MiniMax-H3's checkpoints, whose
+# _comfy_attention_forward reads [q; k; v], view(total, 3, heads, head_dim) (diffsynth/models/minimax_h3_dit_comfy.py)
+# as ComfyUI's Attention.forward does (comfy/ldm/minimax/model.py: split by heads·head_dim); its lora/*.sh examples
+# train on both. Its saver (diffsynth/diffusion/logger.py ModelLogger.save_model) writes no metadata and no alpha:
+# nothing in the file says which, so neither order can be applied exactly. (diffusers 0.42.1's
+# _convert_non_diffusers_minimax_h3_lora_to_diffusers reads every such file per head.) Bare or `diffusion_model.`
+# names without `.default.` (the turbo LoRAs, ai-toolkit) are ComfyUI's own rows and apply.
+ROW_ORDER_UNKNOWN = {
+    re.compile(r"diffusion_model\.(?:token_refiner\.)?blocks\.\d+\.attn\.qkv_proj\.weight"): (
+        "row order unknown: DiffSynth-Studio (PEFT's `.default.` in the keys) trains MiniMax H3 on the original "
+        "checkpoint, whose qkv_proj rows go per head (q, k, v of each head together: "
+        "diffsynth/models/minimax_h3_dit.py), and on Comfy-Org's, whose rows are ComfyUI's (all q, then all k, then "
+        "all v: minimax_h3_dit_comfy.py), and the file does not say which"),
+}
+
+
+def unknown_row_order(patch_key, adapter_named: bool) -> str | None:
+    """Why a module written this way cannot go to this key-map target exactly (ROW_ORDER_UNKNOWN), else None. Only a
+    whole weight: a row slice is one projection of diffusers' names (lightx2v's `to_q`), in ComfyUI's order."""
+    if not adapter_named or not isinstance(patch_key, str):
+        return None
+    return next((reason for pattern, reason in ROW_ORDER_UNKNOWN.items() if pattern.fullmatch(patch_key)), None)
 
 
 def extend(module, comfy_map: dict, is_clip: bool) -> dict:

@@ -12,8 +12,8 @@ from ..glue.lora_files import validate_name
 from ..glue.report import block_changes, patchers_of, payload
 
 # What a person reads first, in this order; the long lists come last, one entry per line.
-_FIRST = ("line", "verdict", "applied", "total", "warnings", "not_listed")
-_LISTS = ("problems", "unused_keys", "blocks")
+_FIRST = ("line", "verdict", "applied", "total", "warnings", "notes", "not_listed")
+_LISTS = ("problems", "harmless", "unused_keys", "blocks")
 
 
 def coverage_json(panel: dict) -> str:
@@ -66,10 +66,10 @@ class LycorisInfo(io.ComfyNode):
                                          "tags), comma-separated, ready to join into a prompt."),
                 io.String.Output(display_name="coverage",
                                  tooltip="JSON that reads top down: the coverage line, the verdict, counts, then "
-                                         "each module that did not apply (with its reason), unused keys and the "
-                                         "per-block change. A file made for another model stops at the verdict "
-                                         "(the full list stays in the node's UI output). Empty object when no "
-                                         "model or clip is connected."),
+                                         "each module that did not apply (with its reason), those this model lacks "
+                                         "by design (harmless), unused keys and the per-block change. A file made "
+                                         "for another model stops at the verdict (the full list stays in the node's "
+                                         "UI output). Empty object when no model or clip is connected."),
             ],
         )
 

@@ -110,7 +110,7 @@ def plan_modules(lfile: LycorisFile, model, clip, target: str) -> tuple[list[Pla
     if target == convert.DIFFUSERS:
         key_map = convert.for_flux_generation(key_map, is_flux2(model))
     names = file_names(key_map) if target == convert.KOHYA else convert.diffusers_names(key_map)
-    refused = list(mapped.problems) + list(mapped.unused_keys)
+    refused = list(mapped.problems) + list(mapped.harmless) + list(mapped.unused_keys)  # none is written
     planned: list[Planned] = []
     taken: dict[tuple[str, str], str] = {}  # (name, parameter) -> the module key that took it
     progress = Progress(len(mapped.targets))
@@ -287,7 +287,7 @@ def differences(planned: list[Planned], tensors: dict, metadata: dict, model, cl
     by_name = {(a.module.prefix, a.module.param): a for a in mapped.targets.values()}
     found: dict[str, Difference | str] = {}
     for p in planned:
-        back = by_name.get((p.name, p.applied.module.param))
+        back = by_name.get((p.name, written_param(p.applied)))
         rows = None if p.rows is None else [0, *p.rows]
         if p.joined:
             rows = None
@@ -305,6 +305,12 @@ def differences(planned: list[Planned], tensors: dict, metadata: dict, model, cl
         found[_check_key(p)] = Difference(of_change, of_weight,
                                           p.applied.plan.dora_axis is not None or back.plan.dora_axis is not None)
     return found
+
+
+def written_param(applied: Applied) -> str:
+    """The parameter a written module's suffixes name: a part named after its layer's other parameter (LightX2V's
+    `diff_m` on `modulation`) is written on that parameter's own name as a `.diff` (convert.to_kohya)."""
+    return applied.module.param if applied.module.param in ("weight", "bias") else "weight"
 
 
 def _offset(applied: Applied) -> list | None:

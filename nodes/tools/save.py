@@ -35,6 +35,7 @@ from ..glue.apply import apply_file, sources_of
 from ..glue.cache import load_cached
 from ..glue.coverage import model_family
 from ..glue.keymap import lora_key_map
+from ..glue.object_params import REPLACES
 from ..glue.patched import base_weight
 from .common import (
     CATEGORY,
@@ -68,6 +69,7 @@ class Chain:
     key: str
     merged: list = field(default_factory=list)
     bypassed: list[Contribution] = field(default_factory=list)
+    replaced: torch.Tensor | None = None  # our object patch of a parameter ComfyUI's loading never patches
 
     @property
     def param(self) -> str:
@@ -117,7 +119,17 @@ def chains_of(patcher) -> dict[str, Chain]:
     for injection in our_injections(patcher):
         for key, contribution in injection.lycoris_entries:
             chains.setdefault(key, Chain(key)).bypassed.append(contribution)
+    for key, value in patcher.object_patches.items():
+        if hasattr(value, REPLACES):  # glue/object_params.py: it holds every change of this parameter
+            chains.setdefault(key, Chain(key)).replaced = value
     return chains
+
+
+def original_of(replaced: torch.Tensor) -> torch.Tensor:
+    """The parameter before any of our object patches (each one keeps the parameter it replaced)."""
+    while hasattr(replaced, REPLACES):
+        replaced = getattr(replaced, REPLACES)
+    return replaced
 
 
 def our_injections(patcher) -> list:
@@ -136,6 +148,8 @@ def hooked_keys(patcher) -> list[str]:
 def applied_change(chain: Chain, w0: torch.Tensor) -> torch.Tensor:
     """W − W₀: the merged patches through ComfyUI's calculate_weight (as loading does), then the bypass chain (as
     patched.patched_weight, but for a chain already sorted into ours and others')."""
+    if chain.replaced is not None:  # ComfyUI never applies merged patches to such a parameter: this is all of it
+        return chain.replaced.to(w0.device, torch.float32) - w0
     weight = w0.clone()
     if chain.merged:
         weight = comfy.lora.calculate_weight(chain.merged, weight, chain.key, intermediate_dtype=torch.float32)
@@ -200,7 +214,8 @@ def collect(sides: list[Side], settings: Settings, report: ToolReport) -> dict[s
 
 def _add_module(side: Side, chain: Chain, name: str, at: torch.device, settings: Settings, report: ToolReport,
                 tensors: dict) -> None:
-    w0 = base_weight(side.patcher, chain.key, at)
+    w0 = (base_weight(side.patcher, chain.key, at) if chain.replaced is None
+          else original_of(chain.replaced).to(at, torch.float32, copy=True))
     delta = applied_change(chain, w0)
     if not bool(delta.any()):
         report.not_written.append((chain.key, NO_CHANGE))
