@@ -87,6 +87,8 @@ function header(info, infoName) {
     // Where the alpha above comes from (file, PEFT config, patterns), or what was assumed without one.
     if (info.alpha_from?.line) box.appendChild(el("div", "lycoris-base", info.alpha_from.line));
     for (const warning of info.warnings || []) box.appendChild(el("div", "lycoris-base", `warning: ${warning}`));
+    // What the file holds beside its modules (module configs): read and reported, no miss.
+    for (const note of info.notes || []) box.appendChild(el("div", "lycoris-base", `note: ${note}`));
     const training = entries(info.training);
     if (training.length) {
         // Full training metadata as a tooltip: the panel stays small.
@@ -125,13 +127,17 @@ function triggers(words, panel) {
     return box;
 }
 
-/** The last run's coverage line, with what the loader warned about and the first problems. */
+/**
+ * The last run's coverage line, with what the loader warned about, the first problems, then the first modules this
+ * model lacks by design (harmless: in the neutral colour, and no reason for amber on their own).
+ */
 function coverage(report) {
     // Modules that did not fit, then file keys that belong to no module: [key, reason] pairs.
     const list = (x) => (Array.isArray(x) ? x : []);
     const problems = [...list(report.problems), ...list(report.unused_keys)];
+    const harmless = list(report.harmless);
     const nothing = report.applied === 0 && report.total > 0;
-    const partial = problems.length > 0 || report.applied < report.total || !!report.verdict;
+    const partial = problems.length > 0 || report.applied + harmless.length < report.total || !!report.verdict;
     // What the loader assumed or lost while applying (a merge re-rounding into quantized weights, an alpha
     // taken from the rank): shown under the line, and the box is amber.
     const warnings = list(report.warnings);
@@ -147,20 +153,22 @@ function coverage(report) {
         }
         box.appendChild(items);
     }
-    if (problems.length) {
-        const items = el("ul", "lycoris-problems");
-        for (const problem of problems.slice(0, MAX_PROBLEMS)) {
-            const [key, reason] = Array.isArray(problem) ? problem : [problem, ""];
-            const item = el("li", null, reason ? `${key}: ${reason}` : String(key));
-            item.title = item.textContent;
-            items.appendChild(item);
-        }
-        if (problems.length > MAX_PROBLEMS) {
-            items.appendChild(el("li", "lycoris-more", `… and ${problems.length - MAX_PROBLEMS} more`));
-        }
-        box.appendChild(items);
-    }
+    if (problems.length) box.appendChild(pairs(problems, "lycoris-problems"));
+    if (harmless.length) box.appendChild(pairs(harmless, "lycoris-problems lycoris-harmless"));
     return box;
+}
+
+/** The first [key, reason] pairs as a list, then "… and N more". */
+function pairs(rows, className) {
+    const items = el("ul", className);
+    for (const row of rows.slice(0, MAX_PROBLEMS)) {
+        const [key, reason] = Array.isArray(row) ? row : [row, ""];
+        const item = el("li", null, reason ? `${key}: ${reason}` : String(key));
+        item.title = item.textContent;
+        items.appendChild(item);
+    }
+    if (rows.length > MAX_PROBLEMS) items.appendChild(el("li", "lycoris-more", `… and ${rows.length - MAX_PROBLEMS} more`));
+    return items;
 }
 
 /** The change per block of the last run, as bars scaled to the largest. */
