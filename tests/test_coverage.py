@@ -220,15 +220,17 @@ def test_model_only_reports_text_encoder_modules(sd15, weights, loras, caplog):
     assert set(new_model.patches) == {TARGETS[p][0] for p in unet}
     p = panel(ui)
     assert p["applied"] == 4 and p["total"] == 6 and p["verdict"] == ""
-    assert sorted(p["problems"]) == [[f"{TE_Q}.weight", "text-encoder module, but no CLIP is connected"],
+    # missing by design (no CLIP connected): harmless, listed apart from the failures (issue #34)
+    assert p["problems"] == []
+    assert sorted(p["harmless"]) == [[f"{TE_Q}.weight", "text-encoder module, but no CLIP is connected"],
                                      [f"{TE_FC1}.weight", "text-encoder module, but no CLIP is connected"]]
     share = params(sd, unet) / params(sd, TARGETS)
     assert 0 < share < 1 and p["params_applied"] / p["params_total"] == pytest.approx(share, rel=1e-12)
     assert (p["params_applied"], p["params_total"]) == (params(sd, unet), params(sd, TARGETS))
-    assert f"4/6 modules applied (LoRA 3, LoCon 1, {100 * share:.0f}% of parameters)" in p["line"]
+    assert p["line"].endswith(f"4/6 modules applied (LoRA 3, LoCon 1, {100 * share:.0f}% of parameters), 2 not in "
+                              "this model (harmless: text-encoder modules with no CLIP connected)")
     assert_blocks(p["blocks"], expected_blocks(sd, weights, {"model": 1.0}, unet))
-    (warning,) = lycoris_warnings(caplog)
-    assert p["line"] in warning and TE_Q in warning and TE_FC1 in warning and "no CLIP is connected" in warning
+    assert lycoris_warnings(caplog) == []  # the line, at info level, says it all
 
 
 # --- (d) one damaged module, one misspelled name ---------------------------------------------------------------------

@@ -32,6 +32,12 @@ OTHER_SHAPES = {
               "guidance_embed": False},  # Klein 4B widths
     "chroma": {"depth": 4, "depth_single_blocks": 2},
     "cosmos-predict2": {"num_blocks": 5},
+    "ideogram4": {"num_layers": 2},  # ComfyUI's Ideogram4 fixes the widths (its unet_extra_config)
+    "anima": {"num_blocks": 5},
+    # MiniMax H3 narrower than released (16 heads of 128), 5 blocks, 2 refiner blocks
+    "minimax-h3": {"num_layers": 5, "token_refiner_num_layers": 2, "hidden_size": 2048, "num_attention_heads": 16,
+                   "ffn_hidden_size": 4096, "time_embed_hidden_size": 2048},
+    "acestep15": {"num_dit_layers": 5},  # built on the CPU (see derive's Arch.device): deeper, not wider
 }
 
 
@@ -49,6 +55,11 @@ OTHER_DIFFUSERS_DEPTH = {
               "guidance_embeds": False},
     "chroma": {"num_layers": 4, "num_single_layers": 2},
     "cosmos-predict2": {"num_layers": 5},
+    "ideogram4": {"num_layers": 2},
+    "anima": {"num_layers": 5},
+    "minimax-h3": {"num_layers": 5, "num_refiner_layers": 2, "hidden_size": 2048, "num_attention_heads": 16,
+                   "ffn_dim": 4096, "time_embed_hidden_dim": 2048},
+    "acestep15": {"num_hidden_layers": 5},
 }
 
 

@@ -327,6 +327,16 @@ def test_model_patcher_full_load_and_offload(fused_files, case_id, monkeypatch):
             assert_bit_identical(net, saved)
 
 
+def assert_bypassed(net: torch.nn.Module, fused: FusedFile, x: torch.Tensor, m: float, reference: bool,
+                    what: str) -> None:
+    """Each of the q/k/v layers' outputs is its base output plus its rows of the fused change, applied to x."""
+    for p in "qkv":
+        y_base, y = F.linear(x.double(), fused.base(p)), getattr(net, p)(x).double()
+        change = F.linear(x.double(), fused.truth(p, m, reference))
+        error = float((y - y_base - change).norm())
+        assert error <= 1e-4 * float(change.norm()) + NOISE * float(y_base.norm()), f"{what} {p}: {error:.3g}"
+
+
 @pytest.mark.parametrize("case_id", CASES)
 def test_bypass_through_model_patcher(fused_files, case_id, monkeypatch):
     fused = fused_files[case_id]
@@ -340,11 +350,7 @@ def test_bypass_through_model_patcher(fused_files, case_id, monkeypatch):
         assert bypassed == 3, what
         full_load(clone)
         assert_bit_identical(net, saved)
-        for p in "qkv":
-            y_base, y = F.linear(x.double(), fused.base(p)), getattr(net, p)(x).double()
-            change = F.linear(x.double(), fused.truth(p, m, reference))
-            error = float((y - y_base - change).norm())
-            assert error <= 1e-4 * float(change.norm()) + NOISE * float(y_base.norm()), f"{what} {p}: {error:.3g}"
+        assert_bypassed(net, fused, x, m, reference, what)
         clone.detach()
         assert all("_lycoris_bypass" not in vars(getattr(net, p)) for p in "qkv")
 
@@ -436,3 +442,36 @@ def test_summary_reads_a_converted_file(fused_files, case_id, tmp_path):
     label = "LoKr+DoRA" if fused.case.dora else "LoKr"
     assert (summary.module_count, summary.algorithms, summary.unused_keys) == (3, {label: 3}, 0)
     assert summary.rank == {"min": 2, "max": 2} and summary.alpha == {"min": 1.5, "max": 1.5}
+
+
+# ------------------------------------------------------------------------------------ the fused file unconverted
+
+@pytest.mark.parametrize("case_id", CASES)
+def test_unconverted_fused_file_is_split_onto_q_k_v_by_rows(fused_files, case_id):
+    """The fused to_qkv file itself (no converter: 0.3.75 and 0.33 have none) on the three separate layers: the
+    loader splits the one module by rows (Module.rows, tests/test_fused_split.py), one patch per projection, the
+    same rows of the fused change in full load, offload and bypass."""
+    fused = fused_files[case_id]
+    lfile = parse_state_dict(load_file(str(fused.path)), "fused.safetensors")
+    net = qkv_model(fused)
+    saved, base = snapshot(net), patcher(net)
+    x = torch.randn(8, IN, generator=torch.Generator().manual_seed(SEED))
+    for reference, m in semantics_strengths(fused.case):
+        what = f"m={m:+g} {'reference' if reference else 'linear'}"
+        patches, report = lycoris_patches(lfile, net, KEY_MAP, reference=reference)
+        assert not report.problems and list(report.applied) == [f"{PREFIX}qkv.weight"], report.details()
+        assert set(patches) == {f"{p}.weight" for p in "qkv"}
+        for path in ("full", "offload"):
+            clone = base.clone()
+            clone.add_patches(patches, m)
+            (full_load if path == "full" else offload)(clone)
+            for p in "qkv":
+                weight, _ = forward_params(getattr(net, p), x)
+                assert_change(weight.double() - fused.base(p), fused.truth(p, m, reference), f"{what} {path} {p}")
+            clone.unpatch_model(CPU)
+            assert_bit_identical(net, saved)
+        clone, bypassed = patched_clone(base, patches, m, apply_mode="bypass", key="test")
+        assert bypassed == 3, what
+        full_load(clone)
+        assert_bypassed(net, fused, x, m, reference, f"{what} bypass")
+        clone.detach()

@@ -264,10 +264,13 @@ def test_unmatched_keys_are_applied_around_and_listed_once(sd15, originals, lora
 def test_text_encoder_part_with_model_only_node(sd15, originals, loras, caplog):
     model, clip = sd15
     mixed = write(loras, "mixed.safetensors", {**lora(TO_Q, 320, 320, seed=1), **lora(TE_Q, 768, 768, seed=2)})
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
+    with caplog.at_level(logging.INFO, logger=LOGGER):
         (new_model,) = run_node(LycorisLoaderModelOnly, model=model, lycoris_name=mixed, strength_model=1.0)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith(LOGGER)]
-    assert len(warnings) == 1 and TE_Q in warnings[0] and "no CLIP is connected" in warnings[0]
+    ours = [r for r in caplog.records if r.name.startswith(LOGGER)]
+    # missing by design, so no warning: the info line counts it as harmless (issue #34)
+    assert [r.getMessage() for r in ours if r.levelno >= logging.WARNING] == []
+    assert any("1 not in this model (harmless: text-encoder modules with no CLIP connected)" in r.getMessage()
+               for r in ours if r.levelno == logging.INFO)
     assert list(new_model.patches) == [TO_Q_KEY]
 
     te_only = write(loras, "te_only.safetensors", lora(TE_Q, 768, 768, seed=2))

@@ -241,6 +241,20 @@ def put(loras, written: dict[str, bytes]) -> str:
     return next(iter(written))
 
 
+def assert_weights_match(got: dict, base: dict, merged: dict, strength: float) -> None:
+    """Every adapted weight (diffusers names) within TOLERANCE of its largest change of the truth at this strength,
+    every other weight as it was."""
+    for key, value in got.items():
+        if key not in merged:
+            assert torch.equal(value, base[key]), f"{key} changed @ {strength}"
+            continue
+        before, after = merged[key]
+        change = strength * (after - before)
+        assert change.abs().max() > 0, key
+        error = (value.double() - (before + change)).abs().max()
+        assert error <= TOLERANCE * change.abs().max(), f"{key} @ {strength}: {error:.3g}"
+
+
 @pytest.mark.parametrize("kind,save_format", CASES)
 def test_peft_file_on_flux_applies_fully_and_equal_to_peft_merge(kind, save_format, files, flux, loras):
     patcher, _, to_comfy = flux

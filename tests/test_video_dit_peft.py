@@ -1,6 +1,7 @@
 """PEFT, diffusers and LyCORIS-wrapper files on the video DiTs ComfyUI has no diffusers names for: Wan 2.1 (T2V and
-I2V), HunyuanVideo 1.0, LTX-Video, LTX-2 and Cosmos Predict2, end to end through nodes/glue/keymap.py's
-`converted_module_paths`.
+I2V), HunyuanVideo 1.0, LTX-Video, LTX-2, Cosmos Predict2 and MiniMax H3, end to end through nodes/glue/keymap.py's
+`converted_module_paths`; and Kandinsky 5, whose diffusers names are ComfyUI's own (no converter: the twin loads
+ComfyUI's state dict as it is).
 
 Each architecture is ComfyUI's own model (`comfy.supported_models` WAN21_T2V / WAN21_I2V / HunyuanVideo / LTXV /
 LTXAV / CosmosT2IPredict2) at a tiny width on the CPU with random fp32 weights, in a ModelPatcher. Its state dict goes
@@ -8,8 +9,11 @@ through diffusers' own single-file converter (`convert_wan_transformer_to_diffus
 `convert_hunyuan_video_transformer_to_diffusers`, `convert_ltx_transformer_checkpoint_to_diffusers`,
 `convert_ltx2_transformer_to_diffusers`, `convert_cosmos_transformer_checkpoint_to_diffusers`; the last two are
 renames with no size of their own) and is loaded strictly into diffusers' model of the same config (the twin): a
-strict load proves the twin has exactly these weights under diffusers' names. LTX-2 exists in ComfyUI 0.33 only
-(0.3.75 has no supported_models.LTXAV): its cases are skipped there. Its text connectors are no part of diffusers'
+strict load proves the twin has exactly these weights under diffusers' names. LTX-2 and MiniMax H3 exist in ComfyUI
+0.33 only (0.3.75 has no supported_models.LTXAV, MiniMaxH3): their cases are skipped there. MiniMax H3's converter
+(`convert_minimax_h3_transformer_checkpoint_to_diffusers`, stacked [q; k; v] as ComfyUI's model reads qkv_proj)
+splits qkv_proj into thirds; its names in diffusers_names.json come from diffusers' LoRA converter for it, so this
+checks the two converters agree, value for value. Its text connectors are no part of diffusers'
 transformer (the converter drops them; diffusers keeps them in a pipeline component of their own).
 
 HunyuanVideo: ComfyUI renames some of Tencent's names when it loads a checkpoint (`process_unet_state_dict`), and the
@@ -73,7 +77,7 @@ from derive_names import derive
 from diffusers.loaders import single_file_utils
 from lycoris import LycorisNetwork, create_lycoris
 from reference.lycoris_factory import SEED, Lazy, _class_presets_restored, _randomise
-from test_peft_dit import adapted, merged_parameters, put
+from test_peft_dit import adapted, assert_weights_match, merged_parameters, put
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: thread hand-offs cost more than the maths
 loras = test_nodes.loras
@@ -82,7 +86,6 @@ CPU = torch.device("cpu")
 PREFIX = "diffusion_model."
 RANK = 4
 STRENGTHS = (1.0, 0.5)
-TOLERANCE = 1e-4  # of the largest change of each diffusers weight
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
@@ -90,13 +93,14 @@ ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 class Arch:
     supported: str  # comfy.supported_models class
     config: dict  # ComfyUI's unet config
-    converter: str  # diffusers.loaders.single_file_utils function
+    converter: str  # diffusers.loaders.single_file_utils function ("": diffusers' names are ComfyUI's own)
     diffusers_model: str
     diffusers_config: dict
     pipeline: str  # whose save_lora_weights writes the file
     targets: tuple[str, ...]  # the module names a trainer adapts (PEFT target_modules: suffixes of module paths)
     params: str | None = None  # the ComfyUI dataclass that takes the config (older ComfyUIs take fewer fields)
     tencent_names: bool = False  # ComfyUI renames the original names on load; the converter reads the originals
+    converter_kwargs: tuple = ()  # (name, value) pairs the converter also takes (MiniMax H3's needs the config)
 
 
 def _wan(**extra) -> dict:
@@ -110,6 +114,10 @@ def _wan_diffusers(**extra) -> dict:
             "out_channels": 16, "text_dim": 24, "freq_dim": 16, "ffn_dim": 64, "num_layers": 2,
             "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, **extra}
 
+
+MINIMAX_DIFFUSERS = {"num_attention_heads": 2, "attention_head_dim": 16, "hidden_size": 32, "num_layers": 2,
+                     "num_refiner_layers": 1, "ffn_dim": 64, "in_channels": 4, "audio_in_channels": 8, "text_dim": 24,
+                     "time_embed_hidden_dim": 32, "time_embed_dim": 16, "rope_freq_dim": 2}
 
 ARCHS = {
     "wan21-t2v": Arch("WAN21_T2V", _wan(), "convert_wan_transformer_to_diffusers", "WanTransformer3DModel",
@@ -174,6 +182,31 @@ ARCHS = {
                              "max_size": (128, 240, 240), "patch_size": (1, 2, 2), "rope_scale": (1.0, 4.0, 4.0),
                              "concat_padding_mask": True, "extra_pos_embed_type": None},
                             "Cosmos2_5_PredictBasePipeline", (*ATTENTION, "ff.net.0.proj", "ff.net.2")),
+    # MiniMax H3 (0.33 only) at a tiny width: q/k/v are row thirds of ComfyUI's qkv_proj (the token refiner's too);
+    # saved by MiniMaxH3LoraLoaderMixin (diffusers.loaders). ff.net.0.proj is fc1 with its halves swapped: not a
+    # target (refused, below)
+    "minimax-h3": Arch("MiniMaxH3",
+                       {"image_model": "minimax_h3", "hidden_size": 32, "num_layers": 2, "token_refiner_num_layers": 1,
+                        "num_attention_heads": 2, "attention_head_dim": 16, "ffn_hidden_size": 64, "latents_dim": 4,
+                        "audio_latents_dim": 8, "text_dim": 24, "time_embed_hidden_size": 32, "time_embed_dim": 16,
+                        "rope_inv_freq_len": 2},
+                       "convert_minimax_h3_transformer_checkpoint_to_diffusers", "MiniMaxH3Transformer3DModel",
+                       MINIMAX_DIFFUSERS,
+                       "MiniMaxH3LoraLoaderMixin", (*ATTENTION, "ff.net.2"),
+                       converter_kwargs=(("config", MINIMAX_DIFFUSERS),)),
+    # Kandinsky 5 (0.33 only): diffusers' Kandinsky5Transformer3DModel has ComfyUI's (and Kandinsky's own) names, no
+    # converter; the targets of musubi-tuner's and the official trainer's defaults (lora_kandinsky.py)
+    "kandinsky5": Arch("Kandinsky5",
+                       {"image_model": "kandinsky5", "model_dim": 32, "ff_dim": 64, "time_dim": 16, "in_text_dim": 24,
+                        "in_text_dim2": 20, "visual_embed_dim": 64, "num_text_blocks": 1, "num_visual_blocks": 2,
+                        "axes_dims": (4, 6, 6)},
+                       "", "Kandinsky5Transformer3DModel",
+                       {"in_visual_dim": 16, "out_visual_dim": 16, "in_text_dim": 24, "in_text_dim2": 20,
+                        "time_dim": 16, "model_dim": 32, "ff_dim": 64, "num_text_blocks": 1, "num_visual_blocks": 2,
+                        "axes_dims": (4, 6, 6)},
+                       "Kandinsky5T2VPipeline",
+                       ("to_query", "to_key", "to_value", "self_attention.out_layer", "cross_attention.out_layer",
+                        "feed_forward.in_layer", "feed_forward.out_layer")),
 }
 # the architectures this ComfyUI has (0.3.75 has no LTX-2; `available` reads the supported_models class only); the
 # others' cases are skipped, saying why
@@ -209,7 +242,9 @@ class Models:
         diffusers' converter (which splits the fused weights)."""
         checkpoint = {self.originals[k.removeprefix(PREFIX)]: v.detach().clone() for k, v in comfy_state.items()
                       if k.removeprefix(PREFIX) in self.originals}
-        return dict(getattr(single_file_utils, self.arch.converter)(checkpoint))
+        if not self.arch.converter:
+            return checkpoint
+        return dict(getattr(single_file_utils, self.arch.converter)(checkpoint, **dict(self.arch.converter_kwargs)))
 
     @functools.cached_property
     def keys(self) -> list[str]:
@@ -260,7 +295,7 @@ def build(arch_id: str) -> Models:
     model = comfy_model(arch)
     with torch.device("meta"):
         twin_keys = set(getattr(diffusers, arch.diffusers_model)(**arch.diffusers_config).state_dict())
-    converter = getattr(single_file_utils, arch.converter)
+    converter = getattr(single_file_utils, arch.converter) if arch.converter else None
     state = model.diffusion_model.state_dict()
     originals = (tencent_names(model, converter, twin_keys) if arch.tencent_names else {k: k for k in state})
     models = Models(arch, comfy.model_patcher.ModelPatcher(model, load_device=CPU, offload_device=CPU), originals)
@@ -324,7 +359,8 @@ def save_peft(models: Models, model, config, kind: str, save_format: str, folder
     else:
         written = [f"{kind}-{save_format}.safetensors"]
         metadata = config.to_dict() if save_format.endswith("+metadata") else None
-        getattr(diffusers, models.arch.pipeline).save_lora_weights(
+        saver = getattr(diffusers, models.arch.pipeline, None) or getattr(diffusers.loaders, models.arch.pipeline)
+        saver.save_lora_weights(
             str(folder), transformer_lora_layers=peft.get_peft_model_state_dict(model), weight_name=written[0],
             transformer_lora_adapter_metadata=metadata)
     return {name: (folder / name).read_bytes() for name in written}
@@ -345,6 +381,19 @@ def _target_pattern(target: str) -> str:
     return rf"(.*\.)?{re.escape(target)}$"
 
 
+def lycoris_network(twin, config: dict, seed: int):
+    """create_lycoris over `twin` as SimpleTuner calls it from its lycoris_config (apply_preset, multiplier, the
+    rest as options), every factor seeded in float64 (`_randomise`)."""
+    with _class_presets_restored():
+        LycorisNetwork.apply_preset(config["apply_preset"])
+        options = {k: v for k, v in config.items() if k not in ("multiplier", "apply_preset")}
+        net = create_lycoris(twin, config["multiplier"], warn_on_unmatched=False, **options)
+    for lora in net.loras:
+        lora.to(torch.float64)
+    _randomise(net, torch.Generator().manual_seed(seed))
+    return net
+
+
 @torch.no_grad()
 def lycoris_file(models: Models, algo: str, folder):
     """The twin wrapped by create_lycoris over the trainer's targets, saved as SimpleTuner saves it; the truth is
@@ -352,13 +401,7 @@ def lycoris_file(models: Models, algo: str, folder):
     twin = copy.deepcopy(models.twin).double()
     config = {"algo": algo, "multiplier": 1.0, **LYCORIS[algo],
               "apply_preset": {"target_module": [], "target_name": [_target_pattern(t) for t in models.arch.targets]}}
-    with _class_presets_restored():
-        LycorisNetwork.apply_preset(config["apply_preset"])
-        options = {k: v for k, v in config.items() if k not in ("multiplier", "apply_preset")}
-        net = create_lycoris(twin, config["multiplier"], warn_on_unmatched=False, **options)
-    for lora in net.loras:
-        lora.to(torch.float64)
-    _randomise(net, torch.Generator().manual_seed(SEED + sum(map(ord, algo))))
+    net = lycoris_network(twin, config, SEED + sum(map(ord, algo)))
     layers = {name: module for name, module in twin.named_modules()
               if any(re.match(_target_pattern(t), name) for t in models.arch.targets)}
     before = {name: layer.weight.detach().clone() for name, layer in layers.items()}
@@ -410,15 +453,7 @@ def check_file(models: Models, folder, written: dict[str, bytes], merged: dict, 
         comfy.model_management.unload_all_models()
         got = models.to_diffusers(weights_after_full_load(patched, models.keys))
         assert set(got) == set(base)
-        for key, value in got.items():
-            if key not in merged:
-                assert torch.equal(value, base[key]), f"{key} changed @ {strength}"
-                continue
-            before, after = merged[key]
-            change = strength * (after - before)
-            assert change.abs().max() > 0, key
-            error = (value.double() - (before + change)).abs().max()
-            assert error <= TOLERANCE * change.abs().max(), f"{key} @ {strength}: {error:.3g}"
+        assert_weights_match(got, base, merged, strength)
     comfy.model_management.unload_all_models()
 
 
@@ -462,7 +497,10 @@ def read_keys(written: dict[str, bytes]) -> list[str]:
 
 # diffusers' HunyuanVideo norm_out.linear is ComfyUI's final_layer.adaLN_modulation.1 with its two halves swapped by
 # the converter: diffusers_names.json records it as converted and leaves it unmapped on purpose (refused, below).
-UNMAPPED_ON_PURPOSE = {"hunyuan-video": {"norm_out.linear"}}
+UNMAPPED_ON_PURPOSE = {"hunyuan-video": {"norm_out.linear"},
+                       # MiniMax H3's fc1, gate first, is diffusers' ff.net.0.proj value first (the converter swaps)
+                       "minimax-h3": {"transformer_blocks.0.ff.net.0.proj", "transformer_blocks.1.ff.net.0.proj",
+                                      "token_refiner.refiner_blocks.0.ff.net.0.proj"}}
 
 
 def every_layer(models: Models, arch_id: str) -> list[str]:
@@ -492,3 +530,16 @@ def test_hunyuan_norm_out_linear_is_refused_not_misapplied(archs, loras, tmp_pat
     assert [key for key, _ in report.problems] == ["base_model.model.norm_out.linear.weight"]
     assert sorted(report.applied.values()) == [PREFIX + "final_layer.linear.weight"] + [
         f"{PREFIX}txt_in.individual_token_refiner.blocks.{i}.adaLN_modulation.1.weight" for i in range(2)]
+
+
+@pytest.mark.parametrize("arch_id", [_param("minimax-h3")])
+def test_minimax_swapped_ff_in_is_refused_not_misapplied(arch_id, archs, loras, tmp_path):
+    """diffusers' ff.net.0.proj is ComfyUI's fc1 with its halves swapped (value first, where ComfyUI's SwiGLU reads
+    the gate first): the file's modules are reported, never applied as they are; the rest of the file applies."""
+    models = archs[arch_id]
+    written, _ = peft_file(models, "lora", "save_pretrained", tmp_path, targets=["ff.net.0.proj", "ff.net.2"])
+    _, report = map_file(read(loras / put(loras, written)), models.patcher, None, reference=False)
+    assert sorted(key for key, _ in report.problems) == [f"base_model.model.{name}.weight"
+                                                         for name in sorted(UNMAPPED_ON_PURPOSE[arch_id])]
+    assert sorted(report.applied.values()) == [f"{PREFIX}{stack}.mlp.fc2.weight" for stack in
+                                               ("blocks.0", "blocks.1", "token_refiner.blocks.0")]
