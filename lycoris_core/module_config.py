@@ -78,5 +78,5 @@ def config_note(name: str, configs: list[ModuleConfig]) -> str:
     more = f"; and {len(configs) - 1} more" if len(configs) > 1 else ""
     return (f"{name}: {len(configs)} module config {'entry' if len(configs) == 1 else 'entries'} read, not applied "
             f"('{first.key}' = {first.text}{more}): layer settings for ComfyUI 0.38's configurable layers "
-            f"(comfy/lora.py load_lora → ModelPatcher.add_patches → ConfigurableModule.with_config), not a weight "
+            f"(comfy/lora.py load_lora -> ModelPatcher.add_patches -> ConfigurableModule.with_config), not a weight "
             f"change; this loader patches weights only")
