@@ -122,6 +122,11 @@ def _model_kind(config: dict) -> str | None:
     return next((config[k] for k in MODEL_KINDS if k in config), None)
 
 
+def architecture(model) -> str | None:
+    """The architecture's name of a ComfyUI model (its unet config's image_model or audio_model), None for a UNet."""
+    return _model_kind(getattr(getattr(model, "model_config", None), "unet_config", None) or {})
+
+
 @functools.cache
 def _converter_rules() -> dict[tuple[str, str], list[tuple[re.Pattern, str, tuple | None]]]:
     """(image_model or audio_model, how files name the modules) -> (ComfyUI path pattern, converted path template, rows as (start,
@@ -141,8 +146,7 @@ def converted_module_paths(model, names: str = "diffusers") -> list[tuple[str, o
     """Converted module path -> ComfyUI weight key (or (key, rows) for a part of a fused weight), by the rules
     the converters give for this architecture ([] for one they were not run on): diffusers' paths, or with
     names="bare" the paths DiffSynth-Studio's own models use."""
-    config = getattr(getattr(model, "model_config", None), "unet_config", None) or {}
-    rules = _converter_rules().get((_model_kind(config), names), ())
+    rules = _converter_rules().get((architecture(model), names), ())
     if not rules:
         return []
     paths = []
@@ -186,8 +190,7 @@ def dit_module_paths(comfy_map: dict) -> list[tuple[str, object]]:
 
 def component_module_paths(model) -> list[tuple[str, str]]:
     """diffusers' paths of the modules ComfyUI's model holds from another diffusers component (COMPONENT_RENAMES)."""
-    config = getattr(getattr(model, "model_config", None), "unet_config", None) or {}
-    renames = COMPONENT_RENAMES.get(config.get("image_model"), ())
+    renames = COMPONENT_RENAMES.get(architecture(model), ())
     paths = []
     for key in model.state_dict() if renames else ():
         path = key[len(DIFFUSION_MODEL): -len(WEIGHT)]
@@ -235,8 +238,7 @@ def fused_part_names(comfy_map: dict) -> list[tuple[str, object]]:
 def kohya_fragment_names(model) -> list[tuple[str, str]]:
     """`lora_unet_` names with the port's fragments of KOHYA_FRAGMENTS in place of ComfyUI's (reversed as the
     trainer's converter reverses them)."""
-    config = getattr(getattr(model, "model_config", None), "unet_config", None) or {}
-    stacks = KOHYA_FRAGMENTS.get(config.get("image_model"), {})
+    stacks = KOHYA_FRAGMENTS.get(architecture(model), {})
     names = []
     for key in model.state_dict() if stacks else ():
         path = key[len(DIFFUSION_MODEL): -len(WEIGHT)].replace(".", "_")
@@ -252,8 +254,7 @@ def kohya_fragment_names(model) -> list[tuple[str, str]]:
 
 def original_path_names(model) -> list[tuple[str, str]]:
     """ComfyUI's own module paths under the prefixes ORIGINAL_PATH_PREFIXES lists for this architecture."""
-    config = getattr(getattr(model, "model_config", None), "unet_config", None) or {}
-    prefixes = ORIGINAL_PATH_PREFIXES.get(config.get("image_model"), ())
+    prefixes = ORIGINAL_PATH_PREFIXES.get(architecture(model), ())
     paths = [(key[len(DIFFUSION_MODEL): -len(WEIGHT)], key) for key in model.state_dict()
              if prefixes and key.startswith(DIFFUSION_MODEL) and key.endswith(WEIGHT)]
     return [(prefix + (path.replace(".", "_") if underscored else path), key)
