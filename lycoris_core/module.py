@@ -23,6 +23,9 @@ from .keys import ALPHA, DORA_SCALE, PEFT_MAGNITUDE
 
 # Algorithms whose alpha is a scale alpha/r, as PEFT's LoRA, LoHa and LoKr configs define theirs (and LoRA's bias).
 SCALED_BY_ALPHA = frozenset({"locon", "loha", "lokr", "peft-lora-bias", "peft-lora-embedding"})
+# Where a module's rows go when each block of them is applied as a module of its own (Module.rows)
+ROW_BLOCKS = ("separate weights (a fused module on a model that keeps its parts apart) or separate row blocks (a "
+              "weight whose rows the file stores in another order)")
 
 
 @dataclass(frozen=True)
@@ -83,15 +86,15 @@ class Module:
         a separate weight does not hold: refused, like an algorithm whose rows depend on other rows."""
         try:
             expect(self.algorithm.rows is not None,
-                   f"{self.label} has no split by output rows (OFT/BOFT rotate blocks of rows together), and this "
-                   "model keeps the fused weight's rows as separate weights")
+                   f"{self.label} has no split by output rows (OFT/BOFT rotate blocks of rows together), and its rows "
+                   f"go to {ROW_BLOCKS}")
             layout = self.layout.resolve(tuple(fused_shape))
             tensors, layout = self.algorithm.rows(self.tensors, layout, start, count)
             if self.has_dora:
                 scale = self.tensors[DORA_SCALE]
                 expect(dora.axis_for(tuple(scale.shape), tuple(fused_shape), self.dora_per_output) == dora.OUT,
-                       f"DoRA normalises each input column over all {fused_shape[0]} rows of the fused weight "
-                       "(the input axis, wd_on_out=False), which this model keeps as separate weights", DORA_SCALE)
+                       f"DoRA normalises each input column over all {fused_shape[0]} rows of the module (the input "
+                       f"axis, wd_on_out=False), and its rows go to {ROW_BLOCKS}", DORA_SCALE)
                 dim = 0 if scale.shape[0] == fused_shape[0] else 1  # PEFT's conv magnitude is (1, out, 1…)
                 tensors = {**tensors, DORA_SCALE: scale.narrow(dim, start, count)}
         except ShapeError as e:

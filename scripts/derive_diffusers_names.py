@@ -7,7 +7,9 @@ module path (`transformer.blocks.0.attn1.to_q`). diffusers' own single-file conv
 script runs them, never a table of our own: it builds ComfyUI's model on the meta device, hands the converter one
 small tensor per weight whose values tag (weight, row), and reads back where every row went. A diffusers weight
 that is a whole ComfyUI weight, or one contiguous block of its rows (diffusers splits HunyuanVideo's fused qkv), is
-recorded; one the converter reorders (swapped scale/shift halves) is recorded as converted and left unmapped.
+recorded; so is one whose rows are all of one weight's in another order (swapped scale/shift halves, MiniMax H3's
+and Mochi's value-first SwiGLU): as the runs of ComfyUI's rows it holds, in order ("pieces"). Anything else is
+recorded as converted and left unmapped.
 
 Block indices are generalised: the model is built with a few blocks per stack, and a number in a path that takes
 every value from 0 up across keys that are otherwise alike is a block index (`{0}` in the rule); the others
@@ -222,7 +224,7 @@ ARCHS: list[Arch] = [
          diffusers_model=("Ideogram4Transformer2DModel", {"num_layers": 3})),
     # MiniMax H3 (released widths, on the meta device): the LoRA converter diffusers runs on files with the original
     # (ComfyUI's) names splits the fused qkv_proj into thirds and swaps fc1's halves (gate-first to diffusers'
-    # value-first SwiGLU: recorded as converted, left unmapped)
+    # value-first SwiGLU: recorded as the two halves' pieces)
     Arch("minimax-h3", "MiniMaxH3", {"image_model": "minimax_h3", "num_layers": 3, "token_refiner_num_layers": 3},
          "lora:_convert_non_diffusers_minimax_h3_lora_to_diffusers",
          diffusers_model=("MiniMaxH3Transformer3DModel", {"num_layers": 3, "num_refiner_layers": 3})),
@@ -299,7 +301,7 @@ def converter(arch: Arch):
 
 
 def trace(arch: Arch, config: dict | None = None) -> dict[str, object]:
-    """diffusers weight name -> (ComfyUI path, row start, row count, rows of the whole) or "converted"."""
+    """diffusers weight name -> where its rows are in ComfyUI's model (Rows), or "converted"."""
     import torch
 
     model = meta_model(arch, config)
@@ -319,28 +321,51 @@ def trace(arch: Arch, config: dict | None = None) -> dict[str, object]:
     for name, tensor in converted.items():
         if not name.endswith(WEIGHT) or not isinstance(tensor, torch.Tensor) or tensor.ndim == 0:
             continue
-        rows = _read_rows(tensor, by_id)
+        rows = _read_rows(tensor, by_id, params)
         if rows is None:
             found[name] = "converted"
             continue
-        if rows[0].endswith(WEIGHT):  # 0.3.75 keeps Flux's norms as `.scale`: no weight a `.weight` change goes to
-            found[name] = (*rows, params[rows[0]][0])
+        if rows.path.endswith(WEIGHT):  # 0.3.75 keeps Flux's norms as `.scale`: no weight a `.weight` change goes to
+            found[name] = rows
     return found
 
 
-def _read_rows(tensor, by_id: dict[int, str]):
-    """(ComfyUI path, first row, row count) the tagged rows of a converted tensor come from, or None when they are
-    not one contiguous block of one weight's rows."""
+@dataclass(frozen=True)
+class Rows:
+    """Where a converted tensor's rows come from: ComfyUI weight `path` (of `total` rows), as runs (start, count) of
+    its rows in the converted tensor's order; one run for a whole weight or a block of its rows."""
+    path: str
+    runs: tuple[tuple[int, int], ...]
+    total: int
+
+
+def _runs(rows: list[int]) -> tuple[tuple[int, int], ...]:
+    """[4, 5, 0, 1] -> ((4, 2), (0, 2))."""
+    runs: list[list[int]] = []
+    for row in rows:
+        if runs and runs[-1][0] + runs[-1][1] == row:
+            runs[-1][1] += 1
+        else:
+            runs.append([row, 1])
+    return tuple((start, count) for start, count in runs)
+
+
+def _read_rows(tensor, by_id: dict[int, str], params: dict) -> Rows | None:
+    """Where the tagged rows of a converted tensor come from, or None when they are not one contiguous block of
+    one weight's rows, nor all of its rows in another order."""
     import torch
     flat = tensor.reshape(tensor.shape[0], -1)
     if flat.shape[1] != 1 or flat.min() < ROW_TAG:
         return None
     tags = flat[:, 0].to(torch.int64)
-    weight, rows = int(tags[0]) // ROW_TAG, tags % ROW_TAG
-    contiguous = torch.equal(tags // ROW_TAG, torch.full_like(tags, weight)) and torch.equal(
-        rows, torch.arange(int(rows[0]), int(rows[0]) + len(rows)))
-    path = by_id.get(weight)
-    return (path, int(rows[0]), len(rows)) if path is not None and contiguous else None
+    weight, path = int(tags[0]) // ROW_TAG, by_id.get(int(tags[0]) // ROW_TAG)
+    if path is None or not torch.equal(tags // ROW_TAG, torch.full_like(tags, weight)):
+        return None
+    rows, total = (tags % ROW_TAG).tolist(), params[path][0]
+    runs = _runs(rows)
+    if len(runs) > 1 and sorted(rows) != list(range(total)):
+        return None  # rows of one weight reordered but not all of them: no such layout is known
+    return Rows(path, runs, total)
 
 
 def trace_lora(arch: Arch, params: dict, config: dict | None) -> dict[str, object]:
@@ -367,14 +392,14 @@ def trace_lora(arch: Arch, params: dict, config: dict | None) -> dict[str, objec
         except ValueError:  # a module this converter does not convert
             name = path[len(arch.lora_root):]
             if same_path.get(name) == shape:
-                found[name] = (path, 0, shape[0], shape[0])
+                found[name] = Rows(path, ((0, shape[0]),), shape[0])
             continue
         for key, tensor in converted.items():
             if not (key.startswith(TRANSFORMER) and key.endswith(LORA_B)):
                 continue  # lora_A, or a module of another pipeline component (Anima's text conditioner)
             name = key[len(TRANSFORMER): -len(LORA_B)] + WEIGHT
-            rows = _read_rows(tensor, {number: path})
-            found[name] = "converted" if rows is None else (*rows, shape[0])
+            rows = _read_rows(tensor, {number: path}, params)
+            found[name] = "converted" if rows is None else rows
     return found
 
 
@@ -407,6 +432,22 @@ def _candidates(name: str, values: list[str]) -> list[str]:
     return [".".join(c) for c in place(0, 0)]
 
 
+def _fractions(rows: Rows) -> tuple[tuple[int, int, int], ...] | None:
+    """The runs as fractions of the weight's rows (start, count, of), which hold at any width; None for the whole
+    weight in order."""
+    if rows.runs == ((0, rows.total),):
+        return None
+    g = math.gcd(rows.total, *(n for run in rows.runs for n in run))
+    return tuple((start // g, count // g, rows.total // g) for start, count in rows.runs)
+
+
+def _rule(comfy: str, diffusers: str, fractions) -> dict:
+    """A table rule: `rows` for one block of the weight's rows, `pieces` for all of them in another order."""
+    if fractions is None or len(fractions) == 1:
+        return {"comfy": comfy, "diffusers": diffusers, "rows": list(fractions[0]) if fractions else None}
+    return {"comfy": comfy, "diffusers": diffusers, "rows": None, "pieces": [list(f) for f in fractions]}
+
+
 def generalise(found: dict[str, object], stacks: set[str]) -> tuple[list[dict], list[str]]:
     """Rules {comfy, diffusers, rows} with block indices as {0}, {1}, and the names the converter reorders. A rule
     is kept only when writing it out for every block gives exactly the traced names."""
@@ -416,20 +457,17 @@ def generalise(found: dict[str, object], stacks: set[str]) -> tuple[list[dict], 
         if value == "converted":
             converted.add(re.sub(r"(?<=\.)\d+(?=\.)", "#", name[: -len(WEIGHT)]))
             continue
-        path, start, count, total = value
-        comfy_template, values = _indexed(path[: -len(WEIGHT)], stacks)
-        g = math.gcd(start, count, total)
-        rows = None if (start, count) == (0, total) else (start // g, count // g, total // g)
-        groups.setdefault((comfy_template, rows), []).append((values, name[: -len(WEIGHT)]))
+        comfy_template, values = _indexed(value.path[: -len(WEIGHT)], stacks)
+        groups.setdefault((comfy_template, _fractions(value)), []).append((values, name[: -len(WEIGHT)]))
     rules = []
-    for (comfy_template, rows), members in groups.items():
+    for (comfy_template, fractions), members in groups.items():
         fits = {t: [m for m in members if t.format(*m[0]) == m[1]] for values, name in members
                 for t in _candidates(name, values)}
         # the template most blocks follow; a block that differs (Mochi's last, which has no text branch to update)
         # gets a rule of its own, for exactly its path
         best = max(fits, key=lambda t: (len(fits[t]), t))
-        rules.append({"comfy": comfy_template, "diffusers": best, "rows": list(rows) if rows else None})
-        rules += [{"comfy": comfy_template.format(*values), "diffusers": name, "rows": list(rows) if rows else None}
+        rules.append(_rule(comfy_template, best, fractions))
+        rules += [_rule(comfy_template.format(*values), name, fractions)
                   for values, name in members if (values, name) not in fits[best]]
     return sorted(rules, key=lambda r: (r["diffusers"], r["comfy"])), sorted(converted)
 

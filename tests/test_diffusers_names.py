@@ -98,9 +98,12 @@ def test_rules_give_the_converters_weights_at_another_depth_and_width(name):
     for diffusers_name, value in derive.trace(arch, config).items():
         if value == "converted":
             continue
-        path, start, count, total = value
-        key = "diffusion_model." + path
-        traced[diffusers_name[: -len(WEIGHT)]] = key if (start, count) == (0, total) else (key, (0, start, count))
+        key, runs = "diffusion_model." + value.path, value.runs
+        if len(runs) > 1:  # all of the weight's rows, in the converter's order
+            traced[diffusers_name[: -len(WEIGHT)]] = (key, None, keymap.RowPieces(runs))
+        else:
+            whole = runs[0] == (0, value.total)
+            traced[diffusers_name[: -len(WEIGHT)]] = key if whole else (key, (0, *runs[0]))
     mapped = dict(keymap.converted_module_paths(model, names=arch.names))
     assert mapped, "no rule applied to this model"
     wrong = {name: (target, traced.get(name)) for name, target in mapped.items() if traced.get(name) != target}
@@ -110,3 +113,19 @@ def test_rules_give_the_converters_weights_at_another_depth_and_width(name):
     depth = OTHER_DIFFUSERS_DEPTH[name]
     known = set(traced) if depth is None else {n[: -len(WEIGHT)] for n in derive.diffusers_weights(arch, depth)}
     assert {n for n in traced if n not in mapped and n in known} == set()
+
+
+def test_row_pieces_put_a_change_in_comfyui_order():
+    """A RowPieces entry, called as ComfyUI calls a key map's converter function on a change in the file's order,
+    gives ComfyUI's order: for swapped halves, what ComfyUI's own swap_scale_shift gives; for three runs, each run's
+    rows back where they came from."""
+    import comfy.utils
+    import torch
+
+    change = torch.arange(12.0).reshape(6, 2)
+    halves = keymap.RowPieces(((3, 3), (0, 3)))
+    assert torch.equal(halves(change), comfy.utils.swap_scale_shift(change))
+    assert keymap.row_runs(("w", None, comfy.utils.swap_scale_shift), 6) == halves.runs
+    comfy_rows = torch.arange(6.0)
+    file_rows = torch.cat([comfy_rows[4:6], comfy_rows[0:1], comfy_rows[1:4]])
+    assert torch.equal(keymap.RowPieces(((4, 2), (0, 1), (1, 3)))(file_rows), comfy_rows)

@@ -14,8 +14,10 @@ mapped onto ComfyUI's weights and row slices by ComfyUI's converter: fp32 error 
 
 OFT, BOFT, DoRA and (IA)³ read the weight row by row (the rotation acts on the inputs, the scale/norm/magnitude is
 per output row), so a row slice of qkv is exactly to_q's weight and they apply exactly there too (ComfyUI hands the
-adapter the narrowed view). Through a converter function (norm_out.linear) only the additive adapters are exact:
-ComfyUI converts the change, not the weight the change is computed from (last test).
+adapter the narrowed view). norm_out.linear's rows are ComfyUI's with the halves swapped (ComfyUI's map gives it
+with the converter function swap_scale_shift): each half is applied as a module of its own onto the other half of
+ComfyUI's rows, exact for every adapter with a split by rows (DoRA and (IA)³ included); OFT and BOFT have none in
+the pack and are refused there by name (last test).
 """
 
 import copy
@@ -62,7 +64,7 @@ if "txt_ids_dims" in {f.name for f in dataclasses.fields(FluxParams)}:
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
            "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"]
 # final_layer.adaLN_modulation.1, which ComfyUI stores with diffusers' two halves swapped (a converter function):
-# additive adapters apply through it exactly; the ones that read the weight cannot (see the refusal test below).
+# applied half by half; OFT/BOFT, which the pack does not split by rows, are refused there (the last test).
 CONVERTED = "norm_out.linear"
 RANK = 4
 STRENGTHS = (1.0, 0.5)
@@ -131,7 +133,7 @@ ADAPTERS = {
     # lora_B with a bias, which PEFT's merge adds to the layer's bias at the LoRA's scale
     "lora-bias": lambda targets=ADDITIVE_TARGETS: _lora(targets, lora_bias=True, lora_alpha=8,
                                                          rank_pattern={"to_v": 2}, alpha_pattern={"proj_mlp": 3}),
-    "dora": lambda targets=TARGETS: _lora(targets, use_dora=True),
+    "dora": lambda targets=ADDITIVE_TARGETS: _lora(targets, use_dora=True),
     "loha": lambda targets=ADDITIVE_TARGETS: peft.LoHaConfig(r=RANK, alpha=8, init_weights=False,
                                                              target_modules=targets),
     "lokr": lambda targets=ADDITIVE_TARGETS: peft.LoKrConfig(r=RANK, alpha=8, init_weights=False, decompose_both=True,
@@ -140,7 +142,7 @@ ADAPTERS = {
     "boft": lambda targets=TARGETS: peft.BOFTConfig(boft_block_size=4, boft_n_butterfly_factor=2, init_weights=False,
                                                     target_modules=targets),
     # feed-forward on the input side: a Linear of its own (ff.net.2) and a row slice of linear1 (proj_mlp)
-    "ia3": lambda targets=TARGETS: peft.IA3Config(init_ia3_weights=False, target_modules=targets,
+    "ia3": lambda targets=ADDITIVE_TARGETS: peft.IA3Config(init_ia3_weights=False, target_modules=targets,
                                                   feedforward_modules=[t for t in ("ff.net.2", "proj_mlp")
                                                                        if t in targets]),
 }
@@ -151,7 +153,7 @@ CASES = ([(kind, fmt) for kind in ("lora", "lora-patterns", "dora")
          + [("lora-bias", "save_lora_weights+metadata"), ("lora-bias", "save_pretrained")]
          + [(kind, "save_pretrained") for kind in ("loha", "lokr", "oft", "boft", "ia3")]
          + [("ia3", "save_lora_weights")])
-ADDITIVE = {"lora", "lora-patterns", "lora-bias", "loha", "lokr"}  # also on the converted norm_out.linear
+ROW_SPLIT = {"lora", "lora-patterns", "lora-bias", "dora", "loha", "lokr", "ia3"}  # also on norm_out.linear
 WITHOUT_ALPHA = {("lora", "save_lora_weights"), ("dora", "save_lora_weights")}
 
 
@@ -260,7 +262,7 @@ def test_peft_file_on_flux_applies_fully_and_equal_to_peft_merge(kind, save_form
     patcher, _, to_comfy = flux
     written, merged = files[kind, save_format]
     weights = {n: v for n, v in merged.items() if n.endswith(".weight")}
-    top = {"transformer_blocks", "single_transformer_blocks", "proj_out"} | ({"norm_out"} if kind in ADDITIVE else set())
+    top = {"transformer_blocks", "single_transformer_blocks", "proj_out"} | ({"norm_out"} if kind in ROW_SPLIT else set())
     assert {n.split(".")[0] for n in weights} == top
     assert any(not isinstance(to_comfy[n], str) for n in weights)  # row slices of qkv / linear1 among them
     biases = {n: v for n, v in merged.items() if n.endswith(".bias")}
@@ -311,15 +313,15 @@ def test_peft_ia3_scales_each_normal_layers_bias_like_peft_merge(files, flux, lo
     check_node_result(patcher, name, biases, to_comfy)
 
 
-CONVERTER_REASON = "ComfyUI stores this parameter converted"
+ROWS_REASON = "has no split by output rows"
 
 
-@pytest.mark.parametrize("kind", ["dora", "oft", "boft", "ia3"])
-def test_adapter_reading_the_weight_is_refused_on_a_converted_weight(kind, flux, loras, tmp_path):
+@pytest.mark.parametrize("kind", ["oft", "boft"])
+def test_adapter_without_a_row_split_is_refused_on_swapped_halves(kind, flux, loras, tmp_path):
     """norm_out.linear is ComfyUI's final_layer.adaLN_modulation.1 with its two halves swapped by a converter
-    function. ComfyUI hands an adapter the weight in its own layout and converts only the change back, so an
-    adapter whose change reads the weight (DoRA's norm, OFT/BOFT's rotation, (IA)³'s scale: all per output row of
-    diffusers' layout) would read the rows in the wrong order. It is refused with the reason; the rest applies."""
+    function: it applies as two modules, one per half. OFT and BOFT have no split by rows in the pack, so they are
+    refused there with the reason (never applied through the converter function, which would hand them ComfyUI's
+    rows in the wrong order); the rest applies."""
     patcher, twin, _ = flux
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(boft_layer, "_FBD_CUDA", FakeBlockDiagKernel())
@@ -327,10 +329,9 @@ def test_adapter_reading_the_weight_is_refused_on_a_converted_weight(kind, flux,
         written = save(model, None, kind, "save_pretrained", tmp_path)
     name = put(loras, {n: (tmp_path / n).read_bytes() for n in written})
     _, report = map_file(read(loras / name), patcher, None, reference=False)
-    params = ("bias", "weight") if kind == "ia3" else ("weight",)  # (IA)³ also scales the bias (per output row)
-    assert sorted(key for key, _ in report.problems) == [f"base_model.model.{CONVERTED}.{p}" for p in params]
-    assert all(CONVERTER_REASON in reason for _, reason in report.problems)
-    assert len(report.applied) == 4 * len(params)  # to_q of each double and single block
+    assert [key for key, _ in report.problems] == [f"base_model.model.{CONVERTED}.weight"]
+    assert all(ROWS_REASON in reason for _, reason in report.problems)
+    assert len(report.applied) == 4  # to_q of each double and single block
 
 
 def test_auto_mode_on_flux_merges_a_float_model_like_merge(files, flux, loras):

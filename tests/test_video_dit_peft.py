@@ -48,8 +48,8 @@ through the converter's own split. Every module of the file must apply (no probl
 diffusers weight must be within 1e-4 of its largest change (fp32) of the truth, and every other weight untouched.
 
 Beyond the trainers' targets, a LoRA on every Linear and Conv3d of each twin, embedders included. HunyuanVideo's
-norm_out.linear
-(final_layer.adaLN_modulation.1 with the halves swapped) is left unmapped on purpose and is checked to be refused.
+norm_out.linear (final_layer.adaLN_modulation.1 with the halves swapped) and MiniMax H3's ff.net.0.proj (fc1, value
+half first) hold all of a ComfyUI weight's rows in another order: each run of rows is applied as a module of its own.
 """
 
 import copy
@@ -68,6 +68,7 @@ import test_nodes
 import torch
 from lycoris_nodes.nodes.glue.apply import map_file
 from lycoris_nodes.nodes.glue.cache import read
+from lycoris_nodes.nodes.glue.keymap import model_shapes
 from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
 from test_nodes import run_node, weights_after_full_load
 
@@ -183,8 +184,8 @@ ARCHS = {
                              "concat_padding_mask": True, "extra_pos_embed_type": None},
                             "Cosmos2_5_PredictBasePipeline", (*ATTENTION, "ff.net.0.proj", "ff.net.2")),
     # MiniMax H3 (0.33 only) at a tiny width: q/k/v are row thirds of ComfyUI's qkv_proj (the token refiner's too);
-    # saved by MiniMaxH3LoraLoaderMixin (diffusers.loaders). ff.net.0.proj is fc1 with its halves swapped: not a
-    # target (refused, below)
+    # saved by MiniMaxH3LoraLoaderMixin (diffusers.loaders). ff.net.0.proj is fc1 with its halves swapped (value
+    # first), so each half goes to the other half of fc1's rows
     "minimax-h3": Arch("MiniMaxH3",
                        {"image_model": "minimax_h3", "hidden_size": 32, "num_layers": 2, "token_refiner_num_layers": 1,
                         "num_attention_heads": 2, "attention_head_dim": 16, "ffn_hidden_size": 64, "latents_dim": 4,
@@ -192,7 +193,7 @@ ARCHS = {
                         "rope_inv_freq_len": 2},
                        "convert_minimax_h3_transformer_checkpoint_to_diffusers", "MiniMaxH3Transformer3DModel",
                        MINIMAX_DIFFUSERS,
-                       "MiniMaxH3LoraLoaderMixin", (*ATTENTION, "ff.net.2"),
+                       "MiniMaxH3LoraLoaderMixin", (*ATTENTION, "ff.net.0.proj", "ff.net.2"),
                        converter_kwargs=(("config", MINIMAX_DIFFUSERS),)),
     # Kandinsky 5 (0.33 only): diffusers' Kandinsky5Transformer3DModel has ComfyUI's (and Kandinsky's own) names, no
     # converter; the targets of musubi-tuner's and the official trainer's defaults (lora_kandinsky.py)
@@ -268,16 +269,16 @@ def comfy_model(arch: Arch):
     return model
 
 
-def tencent_names(model, converter, twin_keys: set[str]) -> dict[str, str]:
+def tencent_names(model, converter, twin_keys: set[str], state: dict | None = None) -> dict[str, str]:
     """HunyuanVideo: ComfyUI key -> Tencent's name, from ComfyUI's key map (`transformer.<Tencent path>`) or its
     renames read backwards; the one ComfyUI's loader renames back to the key and the converter turns into
-    parameters of the twin."""
+    parameters of the twin. For every weight, or those of `state` (part of the model's state dict)."""
     from_map = {}
     for name, target in comfy.lora.model_lora_keys_unet(model, {}).items():
         if isinstance(name, str) and isinstance(target, str) and name.startswith("transformer."):
             from_map.setdefault(target.removeprefix(PREFIX).removesuffix(".weight"), name.removeprefix("transformer."))
     originals = {}
-    for key, value in model.diffusion_model.state_dict().items():
+    for key, value in (model.diffusion_model.state_dict() if state is None else state).items():
         module, param = key.rsplit(".", 1)
         candidates = [f"{from_map[module]}.{param}"] if module in from_map else []
         candidates += [key.replace(comfy_name, tencent, 1) for tencent, comfy_name in HUNYUAN_RENAMES
@@ -394,16 +395,26 @@ def lycoris_network(twin, config: dict, seed: int):
     return net
 
 
+def preset_layers(twin, preset: dict) -> dict:
+    """The layers a LyCORIS preset selects, read independently of LyCORIS: those a `target_name` pattern matches,
+    and every Linear inside a module whose class is a `target_module`."""
+    by_class = {f"{owner}.{name}": layer for owner, module in twin.named_modules()
+                if type(module).__name__ in preset["target_module"]
+                for name, layer in module.named_modules() if isinstance(layer, torch.nn.Linear)}
+    by_name = {name: module for name, module in twin.named_modules()
+               if any(re.match(pattern, name) for pattern in preset.get("target_name", ()))}
+    return {**by_class, **by_name}
+
+
 @torch.no_grad()
-def lycoris_file(models: Models, algo: str, folder):
-    """The twin wrapped by create_lycoris over the trainer's targets, saved as SimpleTuner saves it; the truth is
-    each wrapped layer's forward on the identity (float64)."""
+def lycoris_file(models: Models, algo: str, folder, preset: dict | None = None):
+    """The twin wrapped by create_lycoris over the trainer's targets (or a `preset` as a lycoris_config gives it),
+    saved as SimpleTuner saves it; the truth is each wrapped layer's forward on the identity (float64)."""
     twin = copy.deepcopy(models.twin).double()
-    config = {"algo": algo, "multiplier": 1.0, **LYCORIS[algo],
-              "apply_preset": {"target_module": [], "target_name": [_target_pattern(t) for t in models.arch.targets]}}
+    preset = preset or {"target_module": [], "target_name": [_target_pattern(t) for t in models.arch.targets]}
+    config = {"algo": algo, "multiplier": 1.0, **LYCORIS[algo], "apply_preset": preset}
     net = lycoris_network(twin, config, SEED + sum(map(ord, algo)))
-    layers = {name: module for name, module in twin.named_modules()
-              if any(re.match(_target_pattern(t), name) for t in models.arch.targets)}
+    layers = preset_layers(twin, preset)
     before = {name: layer.weight.detach().clone() for name, layer in layers.items()}
     assert sorted(lora.lora_name for lora in net.loras) == sorted("lycoris_" + n.replace(".", "_") for n in layers)
     net.apply_to()
@@ -495,19 +506,10 @@ def read_keys(written: dict[str, bytes]) -> list[str]:
 
 # --- every layer PEFT can adapt -------------------------------------------------------------------------------------
 
-# diffusers' HunyuanVideo norm_out.linear is ComfyUI's final_layer.adaLN_modulation.1 with its two halves swapped by
-# the converter: diffusers_names.json records it as converted and leaves it unmapped on purpose (refused, below).
-UNMAPPED_ON_PURPOSE = {"hunyuan-video": {"norm_out.linear"},
-                       # MiniMax H3's fc1, gate first, is diffusers' ff.net.0.proj value first (the converter swaps)
-                       "minimax-h3": {"transformer_blocks.0.ff.net.0.proj", "transformer_blocks.1.ff.net.0.proj",
-                                      "token_refiner.refiner_blocks.0.ff.net.0.proj"}}
-
-
-def every_layer(models: Models, arch_id: str) -> list[str]:
-    """Every Linear and Conv3d of the twin (full module paths), but the ones left unmapped on purpose."""
+def every_layer(models: Models) -> list[str]:
+    """Every Linear and Conv3d of the twin (full module paths)."""
     return [name for name, module in models.twin.named_modules()
-            if isinstance(module, (torch.nn.Linear, torch.nn.Conv3d))
-            and name not in UNMAPPED_ON_PURPOSE.get(arch_id, ())]
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv3d))]
 
 
 @pytest.mark.parametrize("arch_id", _cases([()]))
@@ -515,31 +517,32 @@ def test_lora_on_every_layer_applies_fully(arch_id, archs, loras, tmp_path):
     """A LoRA on every Linear and Conv3d of the diffusers model (PEFT's save_pretrained): embedders, modulation,
     the patch embedding and the output projection as well as the blocks."""
     models = archs[arch_id]
-    targets = every_layer(models, arch_id)
+    targets = every_layer(models)
     written, merged = peft_file(models, "lora", "save_pretrained", tmp_path, targets=targets)
     assert {name.removesuffix(".weight") for name in merged} == set(targets)
     check_file(models, loras, written, merged)
 
 
-def test_hunyuan_norm_out_linear_is_refused_not_misapplied(archs, loras, tmp_path):
-    """norm_out.linear is stored by ComfyUI with its halves swapped: the file's module is reported, never applied
-    to the wrong rows; the rest of the file applies (the token refiner's norm_out.linear is not swapped)."""
-    models = archs["hunyuan-video"]
-    written, _ = peft_file(models, "lora", "save_pretrained", tmp_path, targets=["norm_out.linear", "proj_out"])
-    _, report = map_file(read(loras / put(loras, written)), models.patcher, None, reference=False)
-    assert [key for key, _ in report.problems] == ["base_model.model.norm_out.linear.weight"]
-    assert sorted(report.applied.values()) == [PREFIX + "final_layer.linear.weight"] + [
-        f"{PREFIX}txt_in.individual_token_refiner.blocks.{i}.adaLN_modulation.1.weight" for i in range(2)]
+# diffusers' weights that are all of a ComfyUI weight's rows in another order (the converter swaps its halves):
+# (architecture, diffusers module, ComfyUI's weight)
+SWAPPED_HALVES = [("hunyuan-video", "norm_out.linear", "final_layer.adaLN_modulation.1"),
+                  ("minimax-h3", "transformer_blocks.0.ff.net.0.proj", "blocks.0.mlp.fc1"),
+                  ("minimax-h3", "token_refiner.refiner_blocks.0.ff.net.0.proj", "token_refiner.blocks.0.mlp.fc1")]
 
 
-@pytest.mark.parametrize("arch_id", [_param("minimax-h3")])
-def test_minimax_swapped_ff_in_is_refused_not_misapplied(arch_id, archs, loras, tmp_path):
-    """diffusers' ff.net.0.proj is ComfyUI's fc1 with its halves swapped (value first, where ComfyUI's SwiGLU reads
-    the gate first): the file's modules are reported, never applied as they are; the rest of the file applies."""
+@pytest.mark.parametrize("arch_id,module,weight", [_param(*case) for case in SWAPPED_HALVES])
+def test_swapped_halves_apply_to_the_other_halves(arch_id, module, weight, archs, loras, tmp_path):
+    """A module whose rows are a ComfyUI weight's halves swapped (scale/shift of a final modulation, a value-first
+    SwiGLU input) is applied as two modules: its first half onto the weight's second half, its second onto the
+    first. DoRA there is exact too (its magnitude is per output row): the values, through the converter, are the
+    truth (check_file)."""
     models = archs[arch_id]
-    written, _ = peft_file(models, "lora", "save_pretrained", tmp_path, targets=["ff.net.0.proj", "ff.net.2"])
+    written, merged = peft_file(models, "dora", "save_lora_weights+metadata", tmp_path, targets=[module])
     _, report = map_file(read(loras / put(loras, written)), models.patcher, None, reference=False)
-    assert sorted(key for key, _ in report.problems) == [f"base_model.model.{name}.weight"
-                                                         for name in sorted(UNMAPPED_ON_PURPOSE[arch_id])]
-    assert sorted(report.applied.values()) == [f"{PREFIX}{stack}.mlp.fc2.weight" for stack in
-                                               ("blocks.0", "blocks.1", "token_refiner.blocks.0")]
+    key = f"{PREFIX}{weight}.weight"
+    half = model_shapes(models.patcher.model)[key][0] // 2
+    assert report.problems == []
+    (module_key,) = [name for name, applied in report.applied.items() if applied == key]
+    assert [applied.target.offset for name, applied in report.targets.items()
+            if name.startswith(module_key + "[")] == [(0, half, half), (0, 0, half)]
+    check_file(models, loras, written, merged)

@@ -90,9 +90,23 @@ def bypass(t: Tensors, lay: PeftIA3Layout, at: FormSite) -> ChannelScale:
     return ChannelScale(1 + at.strength * (cast(t[SCALES], at.device, torch.float32).reshape(-1) - 1), lay.axis, at)
 
 
+def _scale_rows(t: Tensors, start: int, count: int) -> Tensors:
+    """ia3_l restricted to channels [start, start + count) (its one dimension longer than 1, or its first)."""
+    scales = t[SCALES]
+    dim = next((d for d, n in enumerate(scales.shape) if n > 1), 0)
+    return {**t, SCALES: scales.narrow(dim, start, count)}
+
+
+def rows(t: Tensors, lay: PeftIA3Layout, start: int, count: int) -> tuple[Tensors, Layout]:
+    """Rows of W' = diag(l)·W are scaled by their own l; a feed-forward layer's l scales every row's inputs alike."""
+    if lay.axis:
+        return t, lay
+    return _scale_rows(t, start, count), replace(lay, out=count, length=count)
+
+
 ALGORITHM = Algorithm(
     name="peft-ia3", label="(IA)³ (PEFT)", markers=(SCALES,), keys=(SCALES, *OPTION_KEYS),
-    layout=layout, add_into=add_into, uses_alpha=False, bypass=bypass,
+    layout=layout, add_into=add_into, uses_alpha=False, bypass=bypass, rows=rows,
 )
 
 
@@ -121,7 +135,14 @@ def add_bias_into(t: Tensors, lay: PeftIA3BiasLayout, bias: torch.Tensor, m: flo
         out.addcmul_(bias, t[SCALES].reshape(-1) - 1, value=m)
 
 
+def bias_rows(t: Tensors, lay: PeftIA3BiasLayout, start: int, count: int) -> tuple[Tensors, Layout]:
+    """Entries [start, start + count) of b' = l ⊙ b: their own scales (none scaled when the inputs are)."""
+    if not lay.scales:
+        return t, lay
+    return _scale_rows(t, start, count), replace(lay, out=count, length=count)
+
+
 BIAS_ALGORITHM = Algorithm(
     name="peft-ia3-bias", label="(IA)³ (PEFT, bias)", markers=(SCALES,), keys=(SCALES, *OPTION_KEYS),
-    layout=bias_layout, add_into=add_bias_into, param="bias", uses_alpha=False, optional=True,
+    layout=bias_layout, add_into=add_bias_into, param="bias", uses_alpha=False, optional=True, rows=bias_rows,
 )

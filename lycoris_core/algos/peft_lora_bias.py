@@ -9,7 +9,7 @@ PEFT config (module.build_modules, as for the weight), else alpha = rank (s = 1)
 
 import torch
 
-from .base import Algorithm, Layout, Tensors, expect, require, scale_from_alpha
+from .base import Algorithm, Layout, Tensors, expect, narrowed_rows, require, scale_from_alpha
 
 BIAS = "lora_B.bias"
 UP = "lora_up.weight"  # lora_B.weight under its canonical name: only its rank is read
@@ -27,7 +27,12 @@ def add_into(t: Tensors, lay: Layout, bias: torch.Tensor, m: float, out: torch.T
     out.add_(t[BIAS], alpha=lay.scale * m)
 
 
+def rows(t: Tensors, lay: Layout, start: int, count: int) -> tuple[Tensors, Layout]:
+    """Rows [start, start + count) of the bias change: those entries of lora_B.bias (and lora_B's rows)."""
+    return narrowed_rows(t, lay, start, count, BIAS, UP)
+
+
 ALGORITHM = Algorithm(
     name="peft-lora-bias", label="LoRA (PEFT, bias)", markers=(BIAS,), keys=(BIAS, UP),
-    layout=layout, add_into=add_into, param="bias", layout_only=(UP,),
+    layout=layout, add_into=add_into, param="bias", layout_only=(UP,), rows=rows,
 )

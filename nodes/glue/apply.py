@@ -45,7 +45,7 @@ from .coverage import (
     nothing_applied_error,
     rounded_merge_warning,
 )
-from .keymap import fused_parts, lora_key_map, model_shapes, unknown_row_order
+from .keymap import fused_parts, lora_key_map, model_shapes, row_runs, unknown_row_order
 from .object_params import changed_parameter, is_skipped_by_load
 
 log = logging.getLogger("lycoris_nodes")
@@ -99,9 +99,10 @@ def _add_nearest_names(report: ApplyReport, lfile: LycorisFile, key_map: dict) -
             listed += 1
 
 
-def find_target(module: Module, key_map: dict, shapes: dict[str, dict]) -> Target | str | None:
-    """Where this module goes, or the reason it goes nowhere; None for an optional part whose parameter this layer
-    does not have (nothing to change)."""
+def find_target(module: Module, key_map: dict, shapes: dict[str, dict]) -> Target | list[Target] | str | None:
+    """Where this module goes (the runs of a weight's rows it holds in another order, keymap.row_runs, as one
+    target each, in the file's row order), or the reason it goes nowhere; None for an optional part whose
+    parameter this layer does not have (nothing to change)."""
     patch_key = key_map.get(module.prefix) if module.param in ("weight", "bias") else _parameter_key(module, key_map)
     if patch_key is None:
         is_text_encoder = module.prefix.startswith(TEXT_ENCODER_PREFIXES)
@@ -121,6 +122,10 @@ def find_target(module: Module, key_map: dict, shapes: dict[str, dict]) -> Targe
     offset = None if isinstance(patch_key, str) else patch_key[1]
     for side, side_shapes in shapes.items():
         if key in side_shapes:
+            runs = row_runs(patch_key, side_shapes[key][0]) if side_shapes[key] else None
+            if runs is not None:
+                return [Target(side, (key, (0, start, count)), _narrowed(side_shapes[key], (0, start, count)))
+                        for start, count in runs]
             return Target(side, patch_key, _narrowed(side_shapes[key], offset))
     if module.algorithm.optional:
         return None
@@ -151,6 +156,8 @@ def split_targets(module: Module, parts: tuple[str, ...], key_map: dict, shapes:
     targets = []
     for name in parts:
         target = find_target(replace(module, prefix=name), key_map, shapes)
+        if isinstance(target, list):
+            return f"its projection {name} is stored with its rows in another order"
         if not isinstance(target, Target):
             return target if target is None else f"its projection {name}: {target}"
         if not isinstance(target.patch_key, str) and len(target.patch_key) > 2 and target.patch_key[2] is not None:
@@ -201,10 +208,12 @@ def _add_split(report: ApplyReport, patches: dict, module_key: str, module: Modu
     except LycorisError as e:
         report.problems.append((module_key, e.reason))
         return
+    keys = [t.key for t in targets]
     for target, part, plan in split:
         patches[target.side][target.patch_key] = LycorisAdapter.from_module(part, plan)
-        report.targets[f"{module_key}[{target.key}]"] = Applied(target, plan, part)
-    report.applied[module_key] = " + ".join(t.key for t in targets)
+        rows = "" if keys.count(target.key) == 1 else f" rows {target.offset[1]}-{sum(target.offset[1:])}"
+        report.targets[f"{module_key}[{target.key}{rows}]"] = Applied(target, plan, part)
+    report.applied[module_key] = " + ".join(dict.fromkeys(t.key for t in targets))  # a weight's runs: once
     report.labels[split[0][2].label] += 1
     report.params_applied += _params(module)
 

@@ -14,6 +14,7 @@ A name two of our sources give different weights is left out, and ComfyUI's own 
 does not map is reported, a name mapped to the wrong weight would be applied silently.
 """
 
+import dataclasses
 import functools
 import json
 import re
@@ -127,19 +128,72 @@ def architecture(model) -> str | None:
     return _model_kind(getattr(getattr(model, "model_config", None), "unet_config", None) or {})
 
 
+@dataclasses.dataclass(frozen=True)
+class RowPieces:
+    """A weight a file stores with its rows in another order than ComfyUI's: the file's rows are, in order, the runs
+    (start, count) of ComfyUI's rows (diffusers' value-first SwiGLU input of MiniMax H3 and Mochi, the swapped
+    scale/shift halves of a final modulation). As a key-map entry's converter function it takes a change in the
+    file's order to ComfyUI's, so ComfyUI's own loader applies such an entry right too; the pack applies each run
+    as a module of its own (apply.find_target), which is exact for the algorithms that read the weight as well."""
+    runs: tuple[tuple[int, int], ...]
+
+    def __call__(self, change: torch.Tensor) -> torch.Tensor:
+        starts = [start for start, _ in self.runs]
+        pieces = change.split([count for _, count in self.runs])
+        return torch.cat([piece for _, piece in sorted(zip(starts, pieces), key=lambda pair: pair[0])])
+
+
+def row_runs(patch_key, rows: int) -> tuple[tuple[int, int], ...] | None:
+    """The runs of ComfyUI's rows a key-map entry's rows are, in the file's order, when its converter function
+    only reorders whole rows: ours (RowPieces) or ComfyUI's swap_scale_shift (a final modulation's [scale; shift]
+    in diffusers' order, [shift; scale] in ComfyUI's: comfy/utils.py, flux_to_diffusers and its kin); else None."""
+    function = patch_key[2] if isinstance(patch_key, tuple) and len(patch_key) > 2 else None
+    if function is None or patch_key[1] is not None:
+        return None
+    if isinstance(function, RowPieces):
+        return function.runs
+    if function is comfy.utils.swap_scale_shift and rows % 2 == 0:
+        return ((rows // 2, rows // 2), (0, rows // 2))
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ConverterRule:
+    """One rule of diffusers_names.json: ComfyUI's weight path (a pattern over block indices), the converted
+    module path it is (a template), and which of its rows: a block (start, count, of), or all of them in the
+    converter's order (pieces, each (start, count, of)), or None for the whole weight in order."""
+    pattern: re.Pattern
+    template: str
+    rows: tuple[int, int, int] | None
+    pieces: tuple[tuple[int, int, int], ...] | None
+
+    def target(self, key: str, total: int):
+        """The key-map entry for this rule on a weight of `total` rows; None when the rows do not divide as the
+        converter splits them (not this layout)."""
+        parts = (self.rows,) if self.rows else self.pieces or ()
+        if any(total % whole for _, _, whole in parts):
+            return None
+        if self.rows:
+            start, count, whole = self.rows
+            return (key, (0, start * total // whole, count * total // whole))
+        if self.pieces:
+            return (key, None, RowPieces(tuple((s * total // w, c * total // w) for s, c, w in self.pieces)))
+        return key
+
+
 @functools.cache
-def _converter_rules() -> dict[tuple[str, str], list[tuple[re.Pattern, str, tuple | None]]]:
-    """(image_model or audio_model, how files name the modules) -> (ComfyUI path pattern, converted path template, rows as (start,
-    count, of) or None). A rule for one block's exact path (Mochi's last block) comes first and stands for that
-    block alone."""
+def _converter_rules() -> dict[tuple[str, str], list[ConverterRule]]:
+    """(image_model or audio_model, how files name the modules) -> its rules. A rule for one block's exact path
+    (Mochi's last block) comes first and stands for that block alone."""
     table = json.loads(DIFFUSERS_NAMES.read_text(encoding="utf-8"))["architectures"]
     rules: dict[tuple[str, str], list] = {}
     for arch in table.values():
         for rule in arch["rules"]:
             pattern = re.compile(BLOCK_INDEX.sub(r"(\\d+)", re.escape(rule["comfy"] + WEIGHT)))
-            rows = tuple(rule["rows"]) if rule["rows"] else None
-            rules.setdefault((_model_kind(arch), arch["names"]), []).append((pattern, rule["diffusers"], rows))
-    return {key: sorted(found, key=lambda rule: rule[0].groups > 0) for key, found in rules.items()}
+            pieces = tuple(tuple(p) for p in rule["pieces"]) if rule.get("pieces") else None
+            rules.setdefault((_model_kind(arch), arch["names"]), []).append(
+                ConverterRule(pattern, rule["diffusers"], tuple(rule["rows"]) if rule["rows"] else None, pieces))
+    return {key: sorted(found, key=lambda rule: rule.pattern.groups > 0) for key, found in rules.items()}
 
 
 def converted_module_paths(model, names: str = "diffusers") -> list[tuple[str, object]]:
@@ -154,19 +208,15 @@ def converted_module_paths(model, names: str = "diffusers") -> list[tuple[str, o
         if not (key.startswith(DIFFUSION_MODEL) and key.endswith(WEIGHT)):
             continue
         exact = False
-        for pattern, template, rows in rules:
-            match = pattern.fullmatch(key, len(DIFFUSION_MODEL))
-            if match is None or (exact and pattern.groups):
+        for rule in rules:
+            match = rule.pattern.fullmatch(key, len(DIFFUSION_MODEL))
+            if match is None or (exact and rule.pattern.groups):
                 continue
-            exact = exact or not pattern.groups
-            target = key
-            if rows is not None:
-                start, count, whole = rows
-                total = (gguf.logical_shape(tensor) if gguf.is_gguf_tensor(tensor) else tensor.shape)[0]
-                if total % whole:
-                    continue  # rows that do not divide as the converter splits them: not this layout
-                target = (key, (0, start * total // whole, count * total // whole))
-            paths.append((template.format(*match.groups()), target))
+            exact = exact or not rule.pattern.groups
+            shape = gguf.logical_shape(tensor) if gguf.is_gguf_tensor(tensor) else tensor.shape
+            target = rule.target(key, shape[0] if len(shape) else 1)
+            if target is not None:
+                paths.append((rule.template.format(*match.groups()), target))
     return paths
 
 
@@ -196,6 +246,32 @@ def component_module_paths(model) -> list[tuple[str, str]]:
         path = key[len(DIFFUSION_MODEL): -len(WEIGHT)]
         if key.startswith(DIFFUSION_MODEL) and key.endswith(WEIGHT):
             paths += [(theirs + path[len(ours):], key) for ours, theirs in renames if path.startswith(ours)]
+    return paths
+
+
+# Weights ComfyUI fuses at load that trainers keep as separate modules, per architecture (image_model): the fused
+# module's last path segments -> the modules the trainers name, in row order, each an equal share of the rows.
+# Qwen-Image 2.1 (ComfyUI 0.37+: image_model "qwen_image21", comfy/model_detection.py at 0b61ce5b; a
+# model_base.QwenImage subclass at 094c74c1) fuses each block's SwiGLU gate and up projections into
+# `img_mlp.gate_up` = [gate_layer; proj] (comfy/ldm/qwen_image21/model.py SwiGLUFeedForward at 08f68f09); diffusers,
+# musubi-tuner, SimpleTuner and ai-toolkit train them as two Linears. ComfyUI 0.38's own map gives the same two halves
+# (comfy/lora.py model_lora_keys_unet at 17358c8f, its `.img_mlp.gate_up` rule); 0.37's gives none.
+FUSED_WEIGHT_PARTS = {"qwen_image21": {"img_mlp.gate_up": ("img_mlp.gate_layer", "img_mlp.proj")}}
+
+
+def fused_weight_part_paths(model) -> list[tuple[str, tuple]]:
+    """Each part's module path (FUSED_WEIGHT_PARTS) -> (the fused weight's key, (0, i·rows/n, rows/n)) for the i-th
+    of its n parts, from the model's own weights; a weight whose rows do not divide in n gets none."""
+    table = FUSED_WEIGHT_PARTS.get(architecture(model), {})
+    paths = []
+    for key, shape in model_shapes(model).items() if table else ():
+        path = key[len(DIFFUSION_MODEL): -len(WEIGHT)]
+        if not (key.startswith(DIFFUSION_MODEL) and key.endswith(WEIGHT)):
+            continue
+        for fused, parts in table.items():
+            if ("." + path).endswith("." + fused) and shape[0] % len(parts) == 0:
+                rows, stem = shape[0] // len(parts), path[: -len(fused)]
+                paths += [(stem + part, (key, (0, i * rows, rows))) for i, part in enumerate(parts)]
     return paths
 
 
@@ -267,12 +343,12 @@ def diffusion_model_names(model, comfy_map: dict) -> dict:
     unet = unet_module_paths(model)
     candidates = [(prefix + path, key) for path, key in unet.items() for prefix in UNET_PREFIXES]
     if not unet:
-        listed = dit_module_paths(comfy_map)
-        paths = listed + converted_module_paths(model) + component_module_paths(model)
+        listed, parts = dit_module_paths(comfy_map), fused_weight_part_paths(model)
+        paths = listed + parts + converted_module_paths(model) + component_module_paths(model)
         candidates += [(prefix + path, target) for path, target in paths for prefix in DIT_PREFIXES]
         candidates += [(prefix + path.replace(".", "_"), target) for path, target in paths
                        for prefix in DIT_UNDERSCORED_PREFIXES]
-        candidates += [(MUSUBI + path.replace(".", "_"), target) for path, target in listed]
+        candidates += [(MUSUBI + path.replace(".", "_"), target) for path, target in listed + parts]
         candidates += musubi_split_qkv_names(listed, model_shapes(model))
         # DiffSynth-Studio saves PEFT's state dict of its own model with no prefix: its paths are the original
         # model's (Wan: `blocks.0.self_attn.q`, ComfyUI's paths without `diffusion_model.`) or its own (Flux).
