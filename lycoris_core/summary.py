@@ -201,13 +201,30 @@ FAMILY_WIDTHS: tuple[tuple[str, dict[int, str]], ...] = (
 # The language-model text encoders ComfyUI runs, told by their widths (comfy/text_encoders/llama.py configs:
 # hidden_size, intermediate_size = the input widths of a layer's q_proj and down_proj), with every family whose
 # text encoders include it (comfy/sd.py, comfy/text_encoders/*.py) and its place there (diffusers' text_encoder_N,
-# kohya's lora_teN_). Widths several families share tell none, unless the place does (HiDream's Llama is 4th).
-LANGUAGE_MODEL_ENCODERS: tuple[tuple[tuple[int, int], tuple[tuple[str, int], ...]], ...] = (
-    ((4096, 14336), (("HunyuanVideo", 1), ("HiDream", 4))),  # Llama 3 8B: hunyuan_video.py, hidream.py
-    ((3840, 15360), (("LTX-2", 1),)),  # Gemma 3 12B: lt.py
-    ((5120, 32768), (("Flux.2", 1),)),  # Mistral Small 3.1 24B: flux.py flux2_te
-    ((3072, 9216), (("ERNIE-Image", 1),)),  # Ministral 3 3B: ernie.py
+# kohya's lora_teN_). Widths several families share name the encoder and all of them (SHARED_ENCODER), unless the
+# place tells one (HiDream's Llama is 4th). The shared ones as ComfyUI 0.33's supported_models clip_target builds
+# them (a model class in brackets where its name differs from ours):
+LANGUAGE_MODEL_ENCODERS: tuple[tuple[tuple[int, int], str, tuple[tuple[str, int], ...]], ...] = (
+    ((4096, 14336), "Llama 3 8B", (("HunyuanVideo", 1), ("HiDream", 4))),  # hunyuan_video.py, hidream.py
+    ((3840, 15360), "Gemma 3 12B", (("LTX-2", 1),)),  # lt.py
+    ((5120, 32768), "Mistral Small 3.1 24B", (("Flux.2", 1),)),  # flux.py flux2_te
+    ((3072, 9216), "Ministral 3 3B", (("ERNIE-Image", 1),)),  # ernie.py
+    # Qwen25_7BVLI: qwen_image.te (QwenImage, its Edit models too), hunyuan_image.te (HunyuanImage21,
+    # HunyuanVideo15), kandinsky5.te (Kandinsky5, Kandinsky5Image), longcat_image.te (LongCatImage)
+    ((3584, 18944), "Qwen2.5-VL 7B", (("Qwen-Image", 1), ("HunyuanImage 2.1", 1), ("HunyuanVideo 1.5", 1),
+                                      ("Kandinsky 5", 1), ("LongCat-Image", 1))),
+    # Qwen3_4B (z_image.te: ZImage; flux.klein_te: Flux2 klein 4B; ace15.te lm_model="qwen3_4b": ACEStep15) and
+    # Qwen3VL_4B (krea2.te: Krea2; mage_flow.te: MageFlow), one language model's widths
+    ((2560, 9728), "Qwen3 4B (or Qwen3-VL 4B)", (("Z-Image", 1), ("Flux.2 klein 4B", 1), ("Krea 2", 1),
+                                                  ("MageFlow", 1), ("ACE-Step 1.5", 1))),
+    # Qwen3_8B (flux.klein_te: Flux2 klein 9B) and Qwen3VL_8B (ideogram4.te: Ideogram4; joyimage.te: JoyImage;
+    # boogu.te: Boogu)
+    ((4096, 12288), "Qwen3 8B (or Qwen3-VL 8B)", (("Flux.2 klein 9B", 1), ("Ideogram 4", 1), ("JoyImage", 1),
+                                                  ("Boogu", 1))),
+    ((1024, 3072), "Qwen3 0.6B", (("Anima", 1), ("ACE-Step 1.5", 1))),  # anima.te, ace15.te (its qwen3_06b)
+    ((2304, 9216), "Gemma 2 2B", (("Lumina 2", 1), ("PixelDiT T2I", 1))),  # lumina2.te, pixeldit.PixelDiTGemma2TE
 )
+SHARED_ENCODER = "a {encoder} text encoder ({families})"  # what a file is said to be made for
 # a decoder layer (CLIP's and the vision towers' are `encoder.layers.N`, their MLPs fc1/fc2)
 LANGUAGE_MODEL_LAYER = re.compile(r"(?:^|(?<!encoder)[._])layers[._]\d+[._](?:self_attn[._](?P<attn>[qkv])_proj|"
                                   r"mlp[._](?P<mlp>gate|up|down)_proj)$")
@@ -228,7 +245,8 @@ def infer_family(in_features: dict[str, int | None]) -> str | None:
 
 def language_model_family(layers: dict[str, int | None]) -> str | None:
     """The family whose language-model text encoder these layers are (by hidden and MLP width, and the encoder's
-    place where its name gives one), or None when the widths are unknown or shared."""
+    place where its name gives one); for widths several families share, the encoder and all of them
+    (SHARED_ENCODER); None when the widths are unknown or disagree."""
     hidden, inner, places = set(), set(), set()
     for prefix, width in layers.items():
         found = LANGUAGE_MODEL_LAYER.search(prefix)
@@ -237,11 +255,29 @@ def language_model_family(layers: dict[str, int | None]) -> str | None:
             places.add(int(place["kohya"] or place["pipe"] or 1))
     if len(hidden) != 1 or len(inner) > 1 or len(places) > 1:
         return None
-    families = [(family, place) for widths, users in LANGUAGE_MODEL_ENCODERS
-                if widths[0] in hidden and (not inner or widths[1] in inner) for family, place in users]
-    if places:
-        families = [(family, place) for family, place in families if place in places]
-    return families[0][0] if len(families) == 1 else None
+    found = [(encoder, [family for family, place in users if not places or place in places])
+             for widths, encoder, users in LANGUAGE_MODEL_ENCODERS
+             if widths[0] in hidden and (not inner or widths[1] in inner)]
+    found = [(encoder, families) for encoder, families in found if families]
+    if len(found) != 1:
+        return None
+    encoder, families = found[0]
+    return families[0] if len(families) == 1 else SHARED_ENCODER.format(encoder=encoder, families=", ".join(families))
+
+
+def family_ids(name: str | None) -> set[str]:
+    """The canonical ids (family_id) a family name stands for: each family of a shared text encoder (one without an
+    id by its name run together: 'Kandinsky 5' -> 'kandinsky5', as ComfyUI's model class Kandinsky5), else the
+    name's own id, if any."""
+    for _widths, encoder, _users in LANGUAGE_MODEL_ENCODERS:
+        start, end = SHARED_ENCODER.format(encoder=encoder, families="\0").split("\0")
+        if name and name.startswith(start) and name.endswith(end):
+            return {family_id(family) or compact_name(family) for family in name[len(start):-len(end)].split(", ")}
+    return {family_id(name)} - {None}
+
+
+def compact_name(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
 def _family_of_names(in_features: dict[str, int | None]) -> str | None:

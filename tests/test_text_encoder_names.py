@@ -26,7 +26,7 @@ from lycoris_nodes.lycoris_core import parse_state_dict
 from lycoris_nodes.lycoris_core.summary import infer_family
 from lycoris_nodes.nodes.glue.apply import build_patches
 from lycoris_nodes.nodes.glue.cache import read
-from lycoris_nodes.nodes.glue.coverage import family_verdict
+from lycoris_nodes.nodes.glue.coverage import BY_DESIGN, family_verdict
 from lycoris_nodes.nodes.glue.keymap import lora_key_map, model_shapes
 from test_nodes import weights_after_full_load
 from test_trainer_names import LORA, PEFT, _module
@@ -47,6 +47,7 @@ ENCODERS = {
     "krea2": ("krea2", "te", {}, ("qwen3vl_4b",)),
     "flux2": ("flux", "flux2_te", {}, ("mistral3_24b",)),
     "sd3": ("sd3_clip", "sd3_clip", {}, ("clip_l", "clip_g")),
+    "joyimage": ("joyimage", "te", {}, ("qwen3vl_8b",)),  # a language model ComfyUI builds with its lm_head
 }
 
 # Sources, as read (repository snapshots named once):
@@ -120,7 +121,6 @@ NAMES = [
      PEFT, QWEN25 + "self_attn.o_proj.weight", OT_QWEN),
     ("qwen_image", "OneTrainer LEGACY", "text_encoder.model.visual.blocks.0.attn.qkv", LORA,
      "qwen25_7b.transformer.visual.blocks.0.attn.qkv.weight", OT_QWEN),
-    ("qwen_image", "OneTrainer LEGACY", "text_encoder.lm_head", LORA, None, OT_QWEN),
     # Anima, Lumina 2: sd-scripts' lora_te_ over the base model (ComfyUI 0.33 maps it for a single-LLM encoder)
     ("anima", "sd-scripts", "lora_te_layers_0_self_attn_q_proj", LORA, QWEN3_06 + "self_attn.q_proj.weight",
      SD_SCRIPTS_ANIMA),
@@ -149,8 +149,6 @@ NAMES = [
     ("sd3", "OneTrainer DIFFUSERS", "text_encoder_3.encoder.block.0.layer.0.SelfAttention.q", PEFT,
      "t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight", OT_SD3),
 ]
-# target None: what the encoder ComfyUI runs does not have, so the module is reported, with why
-NOT_IN_COMFY = {"text_encoder.lm_head": "ComfyUI's Qwen2.5-VL text encoder has no lm_head (it encodes, never decodes)"}
 
 
 def _build(family: str):
@@ -189,13 +187,8 @@ def _report(encoder, state: dict, name: str = "te.safetensors"):
 def test_trainer_names_reach_their_text_encoder_weight(family, trainer, name, suffixes, target, source, encoders):
     encoder = encoders(family)
     shapes = model_shapes(encoder)
-    shape = shapes[target] if target else (8, 16)
+    shape = shapes[target]
     _, report = _report(encoder, _module(name, suffixes, shape[0], tuple(shape[1:])))
-    if target is None:
-        assert report.applied == {}, NOT_IN_COMFY[name]
-        assert [(key.rsplit(".", 1)[0], reason.split(";")[0]) for key, reason in report.problems] == \
-            [(name, "no weight of this model has this name")]
-        return
     assert report.problems == [], f"{trainer} ({source}): {report.problems}"
     assert list(report.applied.values()) == [target]
 
@@ -207,6 +200,89 @@ def test_comfy_own_entries_are_kept(encoders):
     ours = lora_key_map(encoder, is_clip=True)
     assert all(ours[name] == target for name, target in own.items())
     assert ours["lora_te1_text_model_encoder_layers_0_self_attn_q_proj"] == CLIP_L + "self_attn.q_proj.weight"
+
+
+# --- lm_head: trained by OneTrainer, absent from ComfyUI's ports (harmless by design) ------------------------------
+
+# OneTrainer wraps every Linear of a text encoder it trains (modules/module/LoRAModule.py
+# LoRAModuleWrapper.__create_modules: no module filter for text encoders), so its causal-LM encoders' lm_head too:
+OT_QWEN_HEAD = OT_QWEN + "; Qwen2_5_VLForConditionalGeneration.lm_head"
+OT_HIDREAM_HEAD = ("Nerogar/OneTrainer HiDreamModel.lora_text_encoders (text_encoder_4 = LlamaForCausalLM: "
+                   "text_encoder_4, lora_te4, text_encoders.llama.transformer) + LlamaForCausalLM.lm_head")
+HEAD_REASON = next(rule.reason for rule in BY_DESIGN if "lm_head" in rule.what)
+HEAD_WHAT = next(rule.what for rule in BY_DESIGN if "lm_head" in rule.what)
+
+# (family, trainer's format, module name as written, suffixes, source); the module is shaped as the head of that
+# encoder's language model: vocabulary x hidden width, the shape of ComfyUI's embed_tokens
+LM_HEADS = [
+    ("qwen_image", "OneTrainer LEGACY", "text_encoder.lm_head", LORA, OT_QWEN_HEAD),
+    ("qwen_image", "OneTrainer KOHYA", "lora_te_lm_head", LORA, OT_QWEN_HEAD),
+    ("qwen_image", "OneTrainer DIFFUSERS", "text_encoder.lm_head", PEFT, OT_QWEN_HEAD),
+    ("qwen_image", "OneTrainer COMFY", "text_encoders.qwen25_7b.transformer.lm_head", PEFT, OT_QWEN_HEAD),
+    ("hidream", "OneTrainer LEGACY", "text_encoder_4.lm_head", LORA, OT_HIDREAM_HEAD),
+    ("hidream", "OneTrainer KOHYA", "lora_te4_lm_head", LORA, OT_HIDREAM_HEAD),
+    ("hidream", "OneTrainer DIFFUSERS", "text_encoder_4.lm_head", PEFT, OT_HIDREAM_HEAD),
+    ("hidream", "OneTrainer COMFY", "text_encoders.llama.transformer.lm_head", PEFT, OT_HIDREAM_HEAD),
+]
+
+
+def _embedding(shapes: dict) -> tuple[int, int]:
+    (key,) = [key for key in shapes if key.endswith(".transformer.model.embed_tokens.weight")]
+    return shapes[key]
+
+
+@pytest.mark.parametrize("family,trainer,name,suffixes,source",
+                         [pytest.param(*row, id=f"{row[0]}-{row[1]}-{row[2]}") for row in LM_HEADS])
+def test_lm_head_is_harmless_on_an_encoder_without_one(family, trainer, name, suffixes, source, encoders):
+    encoder = encoders(family)
+    vocab, hidden = _embedding(model_shapes(encoder))
+    state = {**_module(name, suffixes, vocab, (hidden,)),
+             **_module(NAMES_BY[family], suffixes, *_out_in(encoder, family))}  # and a layer that applies
+    _, report = _report(encoder, state)
+    assert report.problems == [], f"{trainer} ({source}): {report.problems}"
+    assert report.harmless == [(f"{name}.weight", HEAD_REASON)] and len(report.applied) == 1
+    assert report.line().endswith(f"1/2 modules applied (LoRA 1, {_share(report)}% of parameters), 1 not in this "
+                                  f"model (harmless: {HEAD_WHAT})")
+
+
+# one layer of each family's encoder, in the same trainer's names (rows of NAMES above)
+NAMES_BY = {"qwen_image": "text_encoder.model.language_model.layers.0.self_attn.q_proj",
+            "hidream": "text_encoder_4.model.layers.0.mlp.up_proj"}
+TARGET_BY = {"qwen_image": QWEN25 + "self_attn.q_proj.weight", "hidream": LLAMA + "mlp.up_proj.weight"}
+
+
+def _out_in(encoder, family: str) -> tuple[int, tuple[int, ...]]:
+    out, *inner = model_shapes(encoder)[TARGET_BY[family]]
+    return out, tuple(inner)
+
+
+def _share(report) -> str:
+    return f"{100 * report.params_applied / report.params_total:.0f}"
+
+
+@pytest.mark.parametrize("family,name,shape,why", [
+    ("qwen_image", "text_encoder.lm_head", (8, 16), "another width: not this encoder's head"),
+    ("qwen_image", "text_encoder.lm_heads", None, "a name no encoder has"),
+    ("qwen_image", "text_encoders.clip_l.transformer.lm_head", None, "a root this CLIP's language model is not"),
+    ("hidream", "text_encoder_4.lm_head", (152064, 3584), "Qwen2.5-VL's head on HiDream's Llama"),
+    ("sd3", "text_encoder.lm_head", (32128, 4096), "an encoder with no language model (T5's vocabulary)"),
+])
+def test_a_head_that_is_not_this_encoders_stays_a_failure(family, name, shape, why, encoders):
+    encoder = encoders(family)
+    rows, cols = shape or _embedding(model_shapes(encoders("qwen_image")))
+    _, report = _report(encoder, _module(name, LORA, rows, (cols,)))
+    assert report.harmless == [] and [(k, r.split(";")[0]) for k, r in report.problems] == [
+        (f"{name}.weight", "no weight of this model has this name")], why
+
+
+def test_a_head_comfy_builds_applies(encoders):
+    """Qwen3-VL 8B keeps its lm_head in ComfyUI (JoyImage's encoder, Qwen3_8BConfig lm_head=True): the same name
+    form lands on it, so the rule never hides a head that exists."""
+    encoder = encoders("joyimage")
+    head = "qwen3vl_8b.transformer.model.lm_head.weight"
+    rows, cols = model_shapes(encoder)[head]
+    _, report = _report(encoder, _module("text_encoders.qwen3vl_8b.transformer.model.lm_head", PEFT, rows, (cols,)))
+    assert report.harmless == [] and report.problems == [] and list(report.applied.values()) == [head]
 
 
 # --- values: a PEFT file over transformers' Qwen3 on ComfyUI's Z-Image text encoder --------------------------------
@@ -273,6 +349,10 @@ def test_peft_file_on_a_language_model_text_encoder_equals_peft_merge(dora, qwen
 
 # --- the "made for" verdict of a text-encoder-only file ---------------------------------------------------------------
 
+QWEN25_SHARED = ("a Qwen2.5-VL 7B text encoder (Qwen-Image, HunyuanImage 2.1, HunyuanVideo 1.5, Kandinsky 5, "
+                 "LongCat-Image)")
+QWEN3_4B_SHARED = ("a Qwen3 4B (or Qwen3-VL 4B) text encoder (Z-Image, Flux.2 klein 4B, Krea 2, MageFlow, "
+                   "ACE-Step 1.5)")
 HV_TE = {"lora_te1_layers_0_self_attn_q_proj": 4096, "lora_te1_layers_0_mlp_down_proj": 14336,
          "lora_te2_text_model_encoder_layers_0_self_attn_q_proj": 768}  # OneTrainer's HunyuanVideo TE file
 
@@ -281,13 +361,25 @@ HV_TE = {"lora_te1_layers_0_self_attn_q_proj": 4096, "lora_te1_layers_0_mlp_down
     pytest.param(HV_TE, "HunyuanVideo", id="hunyuan-video-onetrainer"),  # lora_te2_ is its CLIP-L, not SDXL's CLIP-G
     pytest.param({"text_encoder_4.model.layers.0.self_attn.q_proj": 4096,
                   "text_encoder_4.model.layers.0.mlp.down_proj": 14336}, "HiDream", id="hidream-llama-4th"),
-    # the same Llama with no place in its names: HunyuanVideo's or HiDream's, so nothing is said
-    pytest.param({"text_encoders.llama.transformer.model.layers.0.self_attn.q_proj": 4096}, None, id="llama-no-place"),
+    # the same Llama with no place in its names: HunyuanVideo's or HiDream's, so the encoder and both are named
+    pytest.param({"text_encoders.llama.transformer.model.layers.0.self_attn.q_proj": 4096,
+                  "text_encoders.llama.transformer.model.layers.0.mlp.down_proj": 14336},
+                 "a Llama 3 8B text encoder (HunyuanVideo, HiDream)", id="llama-no-place"),
     pytest.param({"base_model.model.model.language_model.layers.0.self_attn.q_proj": 3840,
                   "base_model.model.model.language_model.layers.0.mlp.down_proj": 15360}, "LTX-2", id="ltx2-gemma3"),
-    # Qwen2.5-VL 7B is Qwen-Image's, Kandinsky 5's, HunyuanVideo 1.5's and HunyuanImage 2.1's: nothing is said
+    # shared encoders (ComfyUI 0.33's supported_models clip_target, summary.LANGUAGE_MODEL_ENCODERS): the encoder and
+    # every family that runs it; OneTrainer's Qwen-Image names (OT_QWEN, KOHYA)
     pytest.param({"lora_te_model_language_model_layers_0_self_attn_q_proj": 3584,
-                  "lora_te_model_language_model_layers_0_mlp_down_proj": 18944}, None, id="qwen25vl-shared"),
+                  "lora_te_model_language_model_layers_0_mlp_down_proj": 18944}, QWEN25_SHARED, id="qwen25vl-shared"),
+    # PEFT over Qwen3ForCausalLM (PEFT_QWEN3): Z-Image's, Flux.2 klein 4B's, ... (Qwen3-VL 4B's language model alike)
+    pytest.param({"base_model.model.model.layers.0.self_attn.q_proj": 2560,
+                  "base_model.model.model.layers.0.mlp.down_proj": 9728}, QWEN3_4B_SHARED, id="qwen3-4b-shared"),
+    pytest.param({"lora_te_layers_0_self_attn_q_proj": 1024, "lora_te_layers_0_mlp_down_proj": 3072},
+                 "a Qwen3 0.6B text encoder (Anima, ACE-Step 1.5)", id="qwen3-06b-sd-scripts-anima"),  # SD_SCRIPTS_ANIMA
+    pytest.param({"lora_te_layers_0_mlp_up_proj": 2304, "lora_te_layers_0_mlp_down_proj": 9216},
+                 "a Gemma 2 2B text encoder (Lumina 2, PixelDiT T2I)", id="gemma2-sd-scripts-lumina"),  # SD_SCRIPTS_LUMINA
+    # attention only at 4096: Llama 3 8B's or Qwen3 8B's, both at the first place: nothing is said
+    pytest.param({"text_encoder.layers.0.self_attn.q_proj": 4096}, None, id="hidden-4096-attention-only"),
     # a diffusion model's own modules still decide
     pytest.param({**HV_TE, "lora_unet_double_blocks_0_img_attn_qkv": 3072}, "Flux", id="dit-first"),
     # CLIP's encoder layers are no language model: kohya SDXL stays SDXL
@@ -314,3 +406,27 @@ def test_verdict_names_hunyuan_video_for_its_text_encoder_file(encoders):
     sdxl = comfy.sdxl_clip.SDXLClipModel(device="meta", dtype=torch.float16)
     lfile, report = _report(sdxl, state)
     assert family_verdict(lfile, report, "SDXL") == "This file looks made for HunyuanVideo, not for this SDXL."
+
+
+# OneTrainer's Qwen-Image TE-only file (OT_QWEN: KOHYA names), on SDXL's CLIP: nothing applies. The verdict names the
+# encoder and its families, and none on the model of one of them (ComfyUI 0.33's model class names).
+QWEN_TE = [("lora_te_model_language_model_layers_0_self_attn_q_proj", QWEN25 + "self_attn.q_proj.weight"),
+           ("lora_te_model_language_model_layers_0_mlp_down_proj", QWEN25 + "mlp.down_proj.weight")]
+
+
+@pytest.mark.parametrize("model_family,verdict", [
+    ("SDXL", f"This file looks made for {QWEN25_SHARED}, not for this SDXL."),
+    ("Flux", f"This file looks made for {QWEN25_SHARED}, not for this Flux."),
+    ("ZImage", f"This file looks made for {QWEN25_SHARED}, not for this ZImage."),
+    *[(family, "") for family in ("QwenImage", "HunyuanImage21", "HunyuanVideo15", "HunyuanVideo15_SR_Distilled",
+                                  "Kandinsky5", "Kandinsky5Image", "LongCatImage")],
+])
+def test_verdict_of_a_shared_text_encoder_file_names_its_families(model_family, verdict, encoders):
+    shapes = model_shapes(encoders("qwen_image"))
+    state = {}
+    for name, target in QWEN_TE:
+        state.update(_module(name, LORA, shapes[target][0], shapes[target][1:]))
+    sdxl = comfy.sdxl_clip.SDXLClipModel(device="meta", dtype=torch.float16)
+    lfile, report = _report(sdxl, state)
+    assert report.applied == {} and len(report.problems) == 2
+    assert family_verdict(lfile, report, model_family) == verdict

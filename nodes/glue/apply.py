@@ -224,13 +224,13 @@ def _params(module: Module) -> int:
 
 def _report_miss(report: ApplyReport, module_key: str, module: Module, reason: str, shapes: dict[str, dict]) -> None:
     """A module with no target: harmless when a side is not connected or the model lacks it by design (a rule of
-    coverage.BY_DESIGN holds on this model's weights), a failure otherwise."""
+    coverage.BY_DESIGN holds on the weights of the side it is for), a failure otherwise."""
     if reason in NOT_CONNECTED:
         report.harmless.append((module_key, reason))
         report.harmless_what[NOT_CONNECTED[reason]] += 1
         return
     missing = reason == NO_SUCH_WEIGHT or reason.startswith("target ")
-    rule = by_design(module, shapes.get("model", {})) if missing else None
+    rule = by_design(module, shapes) if missing else None
     if rule is None:
         report.problems.append((module_key, reason))
         return

@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ...lycoris_core import LycorisError, LycorisFile, Module, Plan
-from ...lycoris_core.summary import declared_family, family_id, infer_family
+from ...lycoris_core.summary import compact_name, declared_family, family_id, family_ids, infer_family
 
 # Prefixes trainers use for text-encoder modules: explains a miss when no CLIP is connected.
 TEXT_ENCODER_PREFIXES = ("lora_te", "lora_prior_te", "text_encoder", "text_encoders.", "te_", "te1_", "te2_")
@@ -46,13 +46,15 @@ class ByDesign:
     module name, any trainer's naming: dots or underscores, any prefix; a `block` group fills `{block}` below), and
     the model has `has` (the rest of that block: it is this architecture) but not `lacks` (the layer its variant is
     built without). With `fits`, the module must also fit `has`'s shape (it is `has`'s twin), so a file for another
-    width stays a failure."""
+    width stays a failure. `side`: whose weights decide ("model" or "clip"); a `{root}` the name does not give is
+    tried for each of that side's top-level parts (a CLIP's encoders: qwen25_7b, llama, clip_l, ...)."""
     what: str  # the coverage line's words for all such misses
     reason: str  # each module's
     name: str
     has: str
     lacks: str
     fits: bool = True
+    side: str = "model"
 
 
 _WAN_IMAGE = "Wan I2V image attention on a Wan model without it (T2V, Wan 2.2)"
@@ -70,6 +72,18 @@ _LTX = "diffusion_model.transformer_blocks.{block}."
 # condition_embedder.image_embedder.
 # LTX: ComfyUI's detection makes a checkpoint LTX-2 (LTXAV) exactly when it has audio_adaln_single; LTXAV's audio
 # modules are audio_* / video_to_audio_attn in the blocks, audio_* / av_ca_* outside (diffusers: av_cross_attn_*).
+# lm_head: OneTrainer wraps every Linear of a text encoder it trains (Nerogar/OneTrainer modules/module/LoRAModule.py
+# LoRAModuleWrapper.__create_modules, no filter for text encoders), and its causal-LM encoders have one:
+# QwenModel.text_encoder (Qwen2_5_VLForConditionalGeneration) and HiDreamModel.text_encoder_4 (LlamaForCausalLM);
+# their lora_text_encoders() name it text_encoder[_4].lm_head, lora_te[4]_lm_head, text_encoders.<root>.transformer.
+# lm_head. ComfyUI builds a language model's lm_head only when its config asks (comfy/text_encoders/llama.py
+# Llama2_: `if config.lm_head`), which Qwen25_7BVLI_Config and Llama2Config do not: the encoder passes on hidden
+# states and never computes logits. Its twin for the shape is the input embedding (vocabulary x hidden width).
+_LM_HEAD = "language-model head (lm_head) of a text encoder ComfyUI runs without one"
+_LM_HEAD_REASON = ("lm_head of the text encoder's language model: ComfyUI's port of this encoder has none (a text "
+                   "encoder passes on hidden states; the head that turns them into next-token logits never runs), so "
+                   "there is nothing to change")
+_LM = "{root}.transformer.model."
 BY_DESIGN = (
     ByDesign(_WAN_IMAGE, _WAN_IMAGE_REASON, _WAN_BLOCK + r"(?:cross[._]attn[._]k[._]img|attn2[._]add[._]k[._]proj)$",
              _WAN + "k.weight", _WAN + "k_img.weight"),
@@ -89,21 +103,39 @@ BY_DESIGN = (
     ByDesign(_LTX_AUDIO, _LTX_AUDIO_REASON, r"(?:^|[._])(?:audio|av[._]ca|av[._]cross[._]attn)[._]",
              "diffusion_model.adaln_single.linear.weight", "diffusion_model.audio_adaln_single.linear.weight",
              fits=False),
+    ByDesign(_LM_HEAD, _LM_HEAD_REASON,
+             r"^(?:lora_te\d*_|text_encoder(?:_\d+)?\.|text_encoders\.(?P<root>\w+)\.transformer\.)lm[._]head$",
+             _LM + "embed_tokens.weight", _LM + "lm_head.weight", side="clip"),
 )
 
 
-def by_design(module: Module, shapes: dict[str, tuple[int, ...]]) -> ByDesign | None:
-    """The rule saying this model lacks `module` by design, or None. `shapes`: the diffusion model's weights. The
-    first rule whose name matches decides: a block the model does not have is not by design."""
+def by_design(module: Module, shapes: dict[str, dict[str, tuple[int, ...]]]) -> ByDesign | None:
+    """The rule saying this model lacks `module` by design, or None. `shapes`: each connected side's weights ("model",
+    "clip"); the rule's side decides. The first rule whose name matches decides: a block the model does not have is
+    not by design."""
     for rule in BY_DESIGN:
         found = re.search(rule.name, module.prefix)
         if found is None:
             continue
-        has, lacks = (key.format(**found.groupdict()) for key in (rule.has, rule.lacks))
-        if has not in shapes or lacks in shapes:
-            return None
-        return rule if not rule.fits or _fits(module, shapes.get(_part(has, module.param))) else None
+        side = shapes.get(rule.side, {})
+        return rule if any(_holds(rule, module, side, groups) for groups in _groups(rule, found, side)) else None
     return None
+
+
+def _groups(rule: ByDesign, found: re.Match, side: dict) -> list[dict[str, str]]:
+    """The values for the rule's `{...}`: the name's groups, and each top-level part of the side for a `{root}` the
+    name does not give."""
+    groups = {key: value for key, value in found.groupdict().items() if value is not None}
+    if "{root}" not in rule.has or "root" in groups:
+        return [groups]
+    return [{**groups, "root": root} for root in dict.fromkeys(key.split(".", 1)[0] for key in side)]
+
+
+def _holds(rule: ByDesign, module: Module, side: dict, groups: dict[str, str]) -> bool:
+    has, lacks = (key.format(**groups) for key in (rule.has, rule.lacks))
+    if has not in side or lacks in side:
+        return False
+    return not rule.fits or _fits(module, side.get(_part(has, module.param)))
 
 
 def _part(weight_key: str, param: str) -> str:
@@ -192,9 +224,9 @@ def family_verdict(lfile: LycorisFile, report: ApplyReport, model_family: str | 
         return ""
     declared = declared_family(lfile.metadata)
     inferred = infer_family({m.prefix: m.layout.flat_in for m in lfile.modules.values()})
-    file_ids = {family_id(declared), family_id(inferred)} - {None}
-    model_id = family_id(model_family)
-    if model_id is not None and model_id in file_ids:
+    file_ids = family_ids(declared) | family_ids(inferred)  # a shared text encoder's: each family's
+    model_id = family_id(model_family) or (compact_name(model_family) if model_family else None)
+    if model_id is not None and any(model_id.startswith(file_id) for file_id in file_ids):  # Kandinsky5Image
         return ""
     if not file_ids and report.applied:
         return ""  # nothing says it is for another model: the problems list speaks for itself
