@@ -172,22 +172,29 @@ def peft_file(krea2: Krea2, kind: str, folder):
 
 
 @torch.no_grad()
+def saved_lycoris(twin, config: dict, layers: list[str], path, seed: int, truth: bool = True):
+    """create_lycoris over a float64 copy of `twin`, saved to `path` as SimpleTuner's _save_lycoris does: its module
+    names, and each listed layer's (weight before, forward on the identity after) as the truth ({} without truth)."""
+    twin = copy.deepcopy(twin).double()
+    net = lycoris_network(twin, config, seed)
+    modules = {name: twin.get_submodule(name) for name in layers}
+    before = {name: module.weight.detach().clone() for name, module in modules.items()}
+    net.apply_to()
+    net.save_weights(str(path), torch.float32, {"lycoris_config": json.dumps(config)})
+    merged = {f"{name}.weight": (before[name], module(torch.eye(module.in_features, dtype=torch.float64)).T)
+              for name, module in modules.items() if truth}
+    return {lora.lora_name for lora in net.loras}, merged
+
+
 def lycoris_file(krea2: Krea2, kind: str, folder):
     """create_lycoris over every Linear of each Krea2Attention (to_q/to_k/to_v kept beside to_qkv, to_gate, to_out.0),
     saved as SimpleTuner's _save_lycoris does. Every module gets seeded factors, the unfused copies too: applied,
     they would change wq/wk/wv, so the check sees they are not. Truth: the other layers' forward on the identity."""
-    twin = copy.deepcopy(krea2.twin).double()
     config = {"multiplier": 1.0, **LYCORIS[kind], "apply_preset": {"target_module": ["Krea2Attention"]}}
-    net = lycoris_network(twin, config, SEED + sum(map(ord, kind)))
-    names = {lora.lora_name for lora in net.loras}
-    assert "lycoris_transformer_blocks_0_attn_to_qkv" in names and "lycoris_transformer_blocks_0_attn_to_q" in names
-    layers = {f"{a}.{t}": twin.get_submodule(f"{a}.{t}") for a in ATTENTIONS for t in TARGETS + ["to_gate"]}
-    before = {name: layer.weight.detach().clone() for name, layer in layers.items()}
-    net.apply_to()
+    layers = [f"{a}.{t}" for a in ATTENTIONS for t in TARGETS + ["to_gate"]]
     path = folder / f"lycoris-{kind}.safetensors"
-    net.save_weights(str(path), torch.float32, {"lycoris_config": json.dumps(config)})
-    merged = {f"{name}.weight": (before[name], layer(torch.eye(layer.in_features, dtype=torch.float64)).T)
-              for name, layer in layers.items() if kind not in REFUSED}
+    names, merged = saved_lycoris(krea2.twin, config, layers, path, SEED + sum(map(ord, kind)), kind not in REFUSED)
+    assert "lycoris_transformer_blocks_0_attn_to_qkv" in names and "lycoris_transformer_blocks_0_attn_to_q" in names
     return {path.name: path.read_bytes()}, merged
 
 
@@ -215,10 +222,10 @@ def bypassed_weights(patched, keys: list[str]) -> dict[str, torch.Tensor]:
         patched.unpatch_model(CPU)
 
 
-def check_node(krea2: Krea2, name: str, changes: dict[str, torch.Tensor], apply_mode: str) -> None:
-    """Our loader node at each strength: each changed weight is W + m·ΔW (its rows of a fused ΔW), others as they
-    were."""
-    keys = sorted(k for k in krea2.state if k.endswith(".weight") and ".attn." in k)
+def check_node(krea2: Krea2, name: str, changes: dict[str, torch.Tensor], apply_mode: str, within=".attn.") -> None:
+    """Our loader node at each strength: each changed weight is W + m·ΔW (its rows of a fused ΔW), the other weights
+    of the layers `within` names as they were."""
+    keys = sorted(k for k in krea2.state if k.endswith(".weight") and within in k)
     assert set(changes) <= set(keys)
     for strength in STRENGTHS:
         patched = run_node(LycorisLoaderModelOnly, model=krea2.patcher, lycoris_name=name, strength_model=strength,
