@@ -87,6 +87,30 @@ SD_HI_COMFY = "kohya-ss/sd-scripts networks/convert_hunyuan_image_lora_to_comfy.
 COMFY_038_HIDREAM = "Comfy-Org/ComfyUI comfy/lora.py model_lora_keys_unet at 17358c8 (HiDreamO1: model. + path)"
 MUSUBI_HIDREAM = ("kohya-ss/musubi-tuner networks/lora_hidream_o1.py + hidream_o1/hidream_o1_utils.py "
                   "(Qwen3VLForConditionalGeneration: lora_unet_ + model. + the checkpoint's paths)")
+# DiffSynth-Studio (modelscope/DiffSynth-Studio at fed7b18f) saves PEFT's state dict of its own model with no prefix
+# and `.default.` kept (diffsynth/diffusion/logger.py ModelLogger.save_model: export_trainable_state_dict minus
+# --remove_prefix_in_ckpt "pipe.dit.", identity converter). Its ports keep ComfyUI's paths: ErnieImageDiT
+# (diffsynth/models/ernie_image_dit.py, loaded from diffusers' checkpoint unconverted; examples/ernie_image/
+# model_training/lora/ERNIE-Image.sh targets to_q,to_k,to_v,to_out.0) and AnimaDiT (diffsynth/models/anima_dit.py:
+# ComfyUI's MiniTrainDIT + llm_adapter; AnimaDiTStateDictConverter only drops `net.`; examples/anima/model_training/
+# lora/anima-preview.sh passes --lora_target_modules "", so training_module.py auto_detect_lora_target_modules takes
+# every Linear at least 512 wide in blocks and llm_adapter.blocks)
+DS_ERNIE = "modelscope/DiffSynth-Studio diffsynth/models/ernie_image_dit.py + diffusion/logger.py ModelLogger.save_model"
+# Its Ideogram 4 (diffsynth/models/ideogram4_dit.py Ideogram4DiT: the checkpoint's names, attention.qkv read as
+# view(..., 3, heads, head_dim), [q; k; v] as ComfyUI's comfy/ldm/ideogram4; examples/ideogram4/model_training/lora/
+# *.sh target attention.qkv, attention.o, feed_forward.w1-3, adaln_modulation), its ACE-Step 1.5 (ace_step_dit.py
+# AceStepDiTModel: the checkpoint's `decoder.` dropped by AceStepDiTModelStateDictConverter, so ComfyUI's decoder
+# paths without `decoder.`; lora/*.sh target q/k/v/o_proj, gate/up/down_proj), its Krea 2 (krea2_dit.py
+# SingleStreamDiT: the checkpoint's names; examples/krea2/model_training/lora/Krea-2-Raw.sh trains with
+# --align_to_opensource_format, whose converter, diffsynth/utils/lora/krea2.py Krea2LoRAConverter.
+# align_to_opensource_format, writes `transformer.` + its rename_dict's diffusers names: wq -> attn.to_q, txtmlp.1 ->
+# txt_in.linear_1, tproj.1 -> time_mod_proj, last.linear -> final_layer.linear, ...)
+DS_IG = "modelscope/DiffSynth-Studio diffsynth/models/ideogram4_dit.py + diffusion/logger.py ModelLogger.save_model"
+DS_ACE = "modelscope/DiffSynth-Studio diffsynth/models/ace_step_dit.py + state_dict_converters/ace_step_dit.py"
+DS_KREA = "modelscope/DiffSynth-Studio diffsynth/models/krea2_dit.py (PEFT on its own model, no prefix)"
+DS_KREA_OPEN = "modelscope/DiffSynth-Studio diffsynth/utils/lora/krea2.py Krea2LoRAConverter.align_to_opensource_format"
+DS_ANIMA = ("modelscope/DiffSynth-Studio diffsynth/models/anima_dit.py + diffusion/training_module.py "
+            "auto_detect_lora_target_modules + logger.py ModelLogger.save_model")
 QWEN_MUSUBI = "kohya-ss/musubi-tuner src/musubi_tuner/networks/lora_qwen_image.py (lora_unet_ + diffusers' paths)"
 QWEN_OT = OT.format(fmt="diffusers/_legacy/_kohya", model="QwenModel (ComfyUI's Qwen-Image keeps diffusers' names)")
 
@@ -124,6 +148,11 @@ NAMES = [
     ("ai-toolkit", "ideogram4", "diffusion_model.layers.0.attention.qkv", PEFT, IG_QKV, None,
      AIT.format("ideogram4/ideogram4.py (transformer. -> diffusion_model., src/transformer.py: qkv, o)")),
     ("diffusers", "ideogram4", "transformer.layers.0.attention.to_q", PEFT, IG_QKV, (0, 0, IG_H), DIFFUSERS_IG),
+    ("DiffSynth-Studio", "ideogram4", "layers.0.attention.qkv", PEFT_DEFAULT, IG_QKV, None, DS_IG),
+    ("DiffSynth-Studio", "ideogram4", "layers.0.feed_forward.w1", PEFT_DEFAULT, IG + "layers.0.feed_forward.w1.weight",
+     None, DS_IG),
+    ("DiffSynth-Studio", "ideogram4", "layers.0.adaln_modulation", PEFT_DEFAULT,
+     IG + "layers.0.adaln_modulation.weight", None, DS_IG),
     # --- ERNIE-Image: ComfyUI's model keeps diffusers' names ----------------------------------------------------
     ("OneTrainer", "ernie", "transformer.layers.0.self_attention.to_q", PEFT,
      "diffusion_model.layers.0.self_attention.to_q.weight", None, OT_ERNIE),
@@ -142,6 +171,10 @@ NAMES = [
      "kohya-ss/musubi-tuner at 07f78ab1 src/musubi_tuner/networks/lora_ernie_image.py (ErnieImageSharedAdaLNBlock)"),
     ("ai-toolkit", "ernie", "diffusion_model.layers.0.mlp.up_proj", PEFT,
      "diffusion_model.layers.0.mlp.up_proj.weight", None, AIT.format("ernie_image/ernie_image.py")),
+    ("DiffSynth-Studio", "ernie", "layers.0.self_attention.to_q", PEFT_DEFAULT,
+     "diffusion_model.layers.0.self_attention.to_q.weight", None, DS_ERNIE),
+    ("DiffSynth-Studio", "ernie", "layers.0.self_attention.to_out.0", PEFT_DEFAULT,
+     "diffusion_model.layers.0.self_attention.to_out.0.weight", None, DS_ERNIE),
     # --- Anima --------------------------------------------------------------------------------------------------
     ("kohya sd-scripts", "anima", "lora_unet_blocks_0_self_attn_q_proj", LORA, AN + "self_attn.q_proj.weight", None,
      SD_ANIMA),
@@ -166,11 +199,24 @@ NAMES = [
      AIT.format("anima/anima.py (_convert_diffusers_lora_key_to_comfy)")),
     ("ComfyUI trainer", "anima", "diffusion_model.blocks.0.cross_attn.q_proj", LORA, AN + "cross_attn.q_proj.weight",
      None, COMFY_TRAINER),
+    ("DiffSynth-Studio", "anima", "blocks.0.self_attn.q_proj", PEFT_DEFAULT, AN + "self_attn.q_proj.weight", None,
+     DS_ANIMA),
+    ("DiffSynth-Studio", "anima", "blocks.0.cross_attn.v_proj", PEFT_DEFAULT, AN + "cross_attn.v_proj.weight", None,
+     DS_ANIMA),
+    ("DiffSynth-Studio", "anima", "blocks.0.mlp.layer2", PEFT_DEFAULT, AN + "mlp.layer2.weight", None, DS_ANIMA),
+    ("DiffSynth-Studio", "anima", "llm_adapter.blocks.0.cross_attn.o_proj", PEFT_DEFAULT,
+     "diffusion_model.llm_adapter.blocks.0.cross_attn.o_proj.weight", None, DS_ANIMA),
+    ("DiffSynth-Studio", "anima", "llm_adapter.blocks.0.mlp.0", PEFT_DEFAULT,
+     "diffusion_model.llm_adapter.blocks.0.mlp.0.weight", None, DS_ANIMA),
     # --- ACE-Step 1.5: its adapters name the decoder's modules --------------------------------------------------
     ("ACE-Step", "acestep15", "base_model.model.layers.0.self_attn.q_proj", PEFT,
      "diffusion_model.decoder.layers.0.self_attn.q_proj.weight", None, ACE_OFFICIAL),
     ("SimpleTuner", "acestep15", "lycoris_layers_0_cross_attn_k_proj", LORA,
      "diffusion_model.decoder.layers.0.cross_attn.k_proj.weight", None, ACE_ST),
+    ("DiffSynth-Studio", "acestep15", "layers.0.self_attn.q_proj", PEFT_DEFAULT,
+     "diffusion_model.decoder.layers.0.self_attn.q_proj.weight", None, DS_ACE),
+    ("DiffSynth-Studio", "acestep15", "layers.0.mlp.down_proj", PEFT_DEFAULT,
+     "diffusion_model.decoder.layers.0.mlp.down_proj.weight", None, DS_ACE),
     # --- Qwen-Image (and -Edit: the same model class) -----------------------------------------------------------
     ("musubi-tuner", "qwen_image", "lora_unet_transformer_blocks_0_attn_to_q", LORA,
      "diffusion_model.transformer_blocks.0.attn.to_q.weight", None, QWEN_MUSUBI),
@@ -226,6 +272,20 @@ NAMES = [
      OT.format(fmt="kohya", model="Krea2Model (diffusers_to_original: to_k -> attn.wk)")),
     ("OneTrainer", "krea2", "diffusion_model.blocks.0.mlp.down", PEFT, "diffusion_model.blocks.0.mlp.down.weight",
      None, OT.format(fmt="comfy", model="Krea2Model")),
+    ("DiffSynth-Studio", "krea2", "blocks.0.attn.wq", PEFT_DEFAULT, "diffusion_model.blocks.0.attn.wq.weight", None,
+     DS_KREA),
+    ("DiffSynth-Studio", "krea2", "txtfusion.refiner_blocks.0.mlp.gate", PEFT_DEFAULT,
+     "diffusion_model.txtfusion.refiner_blocks.0.mlp.gate.weight", None, DS_KREA),
+    ("DiffSynth-Studio", "krea2", "transformer.transformer_blocks.0.attn.to_gate", PEFT,
+     "diffusion_model.blocks.0.attn.gate.weight", None, DS_KREA_OPEN),
+    ("DiffSynth-Studio", "krea2", "transformer.txt_in.linear_1", PEFT, "diffusion_model.txtmlp.1.weight", None,
+     DS_KREA_OPEN),
+    ("DiffSynth-Studio", "krea2", "transformer.time_mod_proj", PEFT, "diffusion_model.tproj.1.weight", None,
+     DS_KREA_OPEN),
+    ("DiffSynth-Studio", "krea2", "transformer.final_layer.linear", PEFT, "diffusion_model.last.linear.weight", None,
+     DS_KREA_OPEN),
+    ("DiffSynth-Studio", "krea2", "transformer.text_fusion.layerwise_blocks.0.ff.up", PEFT,
+     "diffusion_model.txtfusion.layerwise_blocks.0.mlp.up.weight", None, DS_KREA_OPEN),
     ("musubi-tuner", "krea2", "lora_unet_blocks_0_attn_wv", LORA, "diffusion_model.blocks.0.attn.wv.weight", None,
      "kohya-ss/musubi-tuner networks/lora_krea2.py (lora_unet_ + krea2/krea2_mmdit.py: blocks.N.attn.wq/wk/wv/wo)"),
     # --- Flux.2 (trainers the README marked "not checked") -------------------------------------------------------

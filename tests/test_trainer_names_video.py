@@ -163,6 +163,15 @@ NAMES = [
      "diffusion_model.double_blocks.0.txt_mod.lin.weight", None, MUSUBI_HV15),
     ("musubi-tuner (to comfy)", "hunyuan_video15", "lora_unet_double_blocks_0_img_attn_qkv", LORA, HV15_IMG_QKV,
      None, MUSUBI_HV15),
+    # SimpleTuner's LyCORIS wrapper on its HunyuanVideo15Transformer3DModel (diffusers' names; values checked in
+    # tests/test_hunyuan_video15_lycoris.py): the double blocks' q/k/v on rows of the fused qkv, the token refiner's
+    ("SimpleTuner", "hunyuan_video15", "lycoris_transformer_blocks_0_attn_add_q_proj", LORA, HV15_TXT_QKV,
+     (0, 0, HV15), SIMPLETUNER_LYCORIS),
+    ("SimpleTuner", "hunyuan_video15", "lycoris_transformer_blocks_0_ff_net_0_proj", LORA,
+     "diffusion_model.double_blocks.0.img_mlp.0.weight", None, SIMPLETUNER_LYCORIS),
+    ("SimpleTuner", "hunyuan_video15", "lycoris_context_embedder_token_refiner_refiner_blocks_0_attn_to_k", LORA,
+     "diffusion_model.txt_in.individual_token_refiner.blocks.0.self_attn.qkv.weight", (0, HV15, HV15),
+     SIMPLETUNER_LYCORIS),
     ("SimpleTuner", "ltx2", "diffusion_model.transformer_blocks.0.audio_attn2.to_k", PEFT,
      "diffusion_model.transformer_blocks.0.audio_attn2.to_k.weight", None, SIMPLETUNER_COMFY),
     ("SimpleTuner", "ltx2", "lycoris_connectors_audio_connector_transformer_blocks_0_attn1_to_q", LORA,
