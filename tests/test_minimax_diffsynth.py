@@ -1,4 +1,5 @@
-"""DiffSynth-Studio's MiniMax H3 LoRAs on ComfyUI's MiniMax H3: qkv_proj refused (row order unknown), the rest exact.
+"""DiffSynth-Studio's MiniMax H3 LoRAs on ComfyUI's MiniMax H3: qkv_proj refused (row order unknown) until the user
+says which checkpoint the file was trained on (LyCORIS Convert's trained_on), the rest exact.
 
 DiffSynth-Studio (modelscope/DiffSynth-Studio fed7b18f) trains MiniMax H3 LoRAs with PEFT on its own model:
 diffsynth/diffusion/training_module.py `add_lora_to_model` = `inject_adapter_in_model(LoraConfig(r, lora_alpha=r,
@@ -17,8 +18,10 @@ PEFT is injected into a copy of its diffusion model, whose module names are Diff
 token_refiner.blocks.N.mlp.fc1, ...), and its LoRA factors set to seeded random values (a trained adapter). Truth:
 PEFT's own merge() of each layer in float64 (test_peft_dit.merged_parameters). Through our loader node at strengths
 1 and 0.5, merged (the weights after a full load) and bypassed (each layer's response to unit inputs): each applied
-weight within 1e-4 of its largest change, qkv_proj and every other weight untouched. MiniMax H3 exists in ComfyUI
-0.33 only: skipped on 0.3.75.
+weight within 1e-4 of its largest change, qkv_proj and every other weight untouched. Told the checkpoint, LyCORIS
+Convert writes qkv_proj in ComfyUI's rows: for the original checkpoint the file is trained on a copy whose qkv_proj
+holds the rows per head (as DiffSynth's MiniMaxH3DiT reads them), and PEFT's merge there, put back in ComfyUI's
+order by the inverse of DiffSynth's view, is the truth. MiniMax H3 exists in ComfyUI 0.33 only: skipped on 0.3.75.
 """
 
 import copy
@@ -32,7 +35,9 @@ from lycoris_nodes.lycoris_core.tools import resize
 from lycoris_nodes.lycoris_core.tools.lowrank import RankRule
 from lycoris_nodes.nodes.glue.apply import map_file
 from lycoris_nodes.nodes.glue.cache import read
+from lycoris_nodes.nodes.glue.keymap import TRAINED_ON_COMFY, TRAINED_ON_ORIGINAL, TRAINED_ON_UNKNOWN
 from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
+from lycoris_nodes.nodes.tools.convert import LycorisConvert
 from test_nodes import run_node, weights_after_full_load
 
 peft = pytest.importorskip("peft")
@@ -106,12 +111,85 @@ def test_resized_file_keeps_the_mark_so_qkv_proj_stays_refused(minimax, loras):
     assert len(report.applied) == 3 * len(STACKS)
 
 
+def per_head(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """ComfyUI's [q; k; v] rows as the original checkpoint holds them for DiffSynth's MiniMaxH3Attention, which reads
+    qkv_proj(x).view(total, heads, 3, head_dim) (modelscope/DiffSynth-Studio diffsynth/models/minimax_h3_dit.py), where
+    ComfyUI reads view(total, 3, heads, head_dim)."""
+    rows, columns = weight.shape
+    return weight.reshape(3, rows // 3 // head_dim, head_dim, columns).transpose(0, 1).reshape(rows, columns)
+
+
+def as_comfy(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """per_head undone: the original checkpoint's rows in ComfyUI's order."""
+    rows, columns = weight.shape
+    return weight.reshape(rows // 3 // head_dim, 3, head_dim, columns).transpose(0, 1).reshape(rows, columns)
+
+
+@pytest.fixture(scope="module")
+def original(minimax):
+    """(the file DiffSynth saves when trained on the original checkpoint: its MiniMaxH3DiT holds qkv_proj per head,
+    {ComfyUI weight key: PEFT's change, in ComfyUI's rows}). The truth is PEFT's merge on the per-head model, put in
+    ComfyUI's order by as_comfy, an inverse transcribed from DiffSynth's view, not from the pack."""
+    patcher = minimax[0]
+    model = copy.deepcopy(patcher.model.diffusion_model)
+    head_dims = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith(".attn"):
+                head_dims[name + ".qkv_proj.weight"] = module.q_norm.weight.shape[0]
+                module.qkv_proj.weight.copy_(per_head(module.qkv_proj.weight, head_dims[name + ".qkv_proj.weight"]))
+    written, merged = diffsynth_file(model)
+    changes = {}
+    for key, (before, after) in merged.items():
+        change = after - before
+        changes[PREFIX + key] = as_comfy(change, head_dims[key]) if key in head_dims else change
+    return written, changes
+
+
+def converted(loras, name: str, patcher, trained_on: str) -> str:
+    """LyCORIS Convert's kohya file of `name`, told which checkpoint it was trained on; its name in the loras folder."""
+    output = f"converted-{len(trained_on)}"
+    report = run_node(LycorisConvert, lycoris_name=name, target="kohya", model=patcher, output_name=output,
+                      overwrite=True, trained_on=trained_on)
+    assert report is not None
+    return output + ".safetensors"
+
+
+@pytest.mark.parametrize("trained_on", [TRAINED_ON_COMFY, TRAINED_ON_ORIGINAL])
+def test_told_which_checkpoint_convert_writes_qkv_proj_in_comfyuis_rows(trained_on, minimax, original, loras):
+    """Told the checkpoint (LyCORIS Convert's trained_on), qkv_proj goes to ComfyUI's rows as that checkpoint reads
+    them: as they are for Comfy-Org's, from per head for the original. The converted file (kohya names, no
+    `.default.`) then applies fully in the loader, merged and bypassed, equal to PEFT's merge."""
+    patcher, written, merged = minimax
+    if trained_on == TRAINED_ON_ORIGINAL:
+        written, changes = original
+    else:
+        changes = {PREFIX + key: after - before for key, (before, after) in merged.items()}
+    name = put(loras, {f"diffsynth-{len(trained_on)}.safetensors": next(iter(written.values()))})
+    _, told = map_file(read(loras / name), patcher, None, reference=False, trained_on=trained_on)
+    assert told.problems == [] and len(told.applied) == len(changes)
+    result = converted(loras, name, patcher, trained_on)
+    _, report = map_file(read(loras / result), patcher, None, reference=False)
+    assert report.problems == [] and len(report.applied) == len(changes)
+    for apply_mode in ("merge", "bypass"):
+        check_node(patcher, result, changes, apply_mode)
+
+
+def test_not_told_convert_leaves_qkv_proj_out_with_the_reason(minimax, loras):
+    patcher, written, _ = minimax
+    name = put(loras, written)
+    result = converted(loras, name, patcher, TRAINED_ON_UNKNOWN)
+    _, report = map_file(read(loras / result), patcher, None, reference=False)
+    assert sorted(report.applied.values()) == sorted(
+        f"{PREFIX}{s}.{t}.weight" for s in STACKS for t in TARGETS if t != "attn.qkv_proj")
+
+
 def check_node(patcher, name: str, changes: dict[str, torch.Tensor], apply_mode: str) -> None:
     """Our loader node at each strength: each changed weight is W + m·ΔW, every other block weight as it was."""
     state = {k: v.detach().clone() for k, v in patcher.model.state_dict().items()
              if k.endswith(".weight") and (".attn." in k or ".mlp." in k) and "norm" not in k}
     keys = sorted(state)
-    assert set(changes) < set(keys) and any("qkv_proj" in k for k in keys)
+    assert set(changes) <= set(keys) and any("qkv_proj" in k for k in keys)
     for strength in STRENGTHS:
         patched = run_node(LycorisLoaderModelOnly, model=patcher, lycoris_name=name, strength_model=strength,
                            apply_mode=apply_mode)[0]

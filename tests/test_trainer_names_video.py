@@ -74,7 +74,7 @@ LIGHTX2V_MINIMAX = "modelscope/DiffSynth-Studio diffsynth/utils/lora/minimax_h3.
 # DiffSynth-Studio trains PEFT on its own MiniMax H3 (diffsynth/models/minimax_h3_dit.py): the original names, no
 # prefix, `.default.` kept; its MiniMaxH3Attention (the original checkpoint) reads qkv_proj's rows per head as [q k v]
 # (qkv.view(total, heads, 3, head_dim)), its MiniMaxH3DiTComfy (Comfy-Org's checkpoints, minimax_h3_dit_comfy.py) as
-# ComfyUI's [q; k; v] (comfy/ldm/minimax/model.py Attention.forward): qkv_proj is refused (keymap.ROW_ORDER_UNKNOWN)
+# ComfyUI's [q; k; v] (comfy/ldm/minimax/model.py Attention.forward): qkv_proj is refused until told the checkpoint (keymap.ROW_ORDER_UNKNOWN)
 DIFFSYNTH_MINIMAX = "modelscope/DiffSynth-Studio diffsynth/models/minimax_h3_dit.py (PEFT on its own model)"
 SIMPLETUNER_MINIMAX = ("bghira/SimpleTuner helpers/models/minimaxh3 (diffusers' MiniMaxH3Transformer3DModel: to_q/k/v "
                        "rows of qkv_proj, as diffusers' _convert_non_diffusers_minimax_h3_lora_to_diffusers splits)")

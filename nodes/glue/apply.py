@@ -45,7 +45,7 @@ from .coverage import (
     nothing_applied_error,
     rounded_merge_warning,
 )
-from .keymap import fused_parts, lora_key_map, model_shapes, row_runs, unknown_row_order
+from .keymap import TRAINED_ON_UNKNOWN, fused_parts, lora_key_map, model_shapes, row_order_target, row_runs
 from .object_params import changed_parameter, is_skipped_by_load
 
 log = logging.getLogger("lycoris_nodes")
@@ -99,7 +99,8 @@ def _add_nearest_names(report: ApplyReport, lfile: LycorisFile, key_map: dict) -
             listed += 1
 
 
-def find_target(module: Module, key_map: dict, shapes: dict[str, dict]) -> Target | list[Target] | str | None:
+def find_target(module: Module, key_map: dict, shapes: dict[str, dict], trained_on: str = TRAINED_ON_UNKNOWN
+                ) -> Target | list[Target] | str | None:
     """Where this module goes (the runs of a weight's rows it holds in another order, keymap.row_runs, as one
     target each, in the file's row order), or the reason it goes nowhere; None for an optional part whose
     parameter this layer does not have (nothing to change)."""
@@ -115,9 +116,9 @@ def find_target(module: Module, key_map: dict, shapes: dict[str, dict]) -> Targe
         patch_key = _bias_key(patch_key)
         if patch_key is None:
             return "bias change for a target that has no separate bias"
-    unknown = unknown_row_order(patch_key, module.adapter_named)
-    if unknown is not None:
-        return unknown
+    patch_key, unplaced = row_order_target(patch_key, module.adapter_named, trained_on, shapes.get("model", {}))
+    if unplaced is not None:
+        return unplaced
     key = patch_key if isinstance(patch_key, str) else patch_key[0]
     offset = None if isinstance(patch_key, str) else patch_key[1]
     for side, side_shapes in shapes.items():
@@ -238,8 +239,8 @@ def _report_miss(report: ApplyReport, module_key: str, module: Module, reason: s
     report.harmless_what[rule.what] += 1
 
 
-def build_patches(lfile: LycorisFile, key_map: dict, shapes: dict[str, dict], reference: bool
-                  ) -> tuple[dict[str, dict], ApplyReport]:
+def build_patches(lfile: LycorisFile, key_map: dict, shapes: dict[str, dict], reference: bool,
+                  trained_on: str = TRAINED_ON_UNKNOWN) -> tuple[dict[str, dict], ApplyReport]:
     report = ApplyReport(lfile.name, len(lfile.modules))
     report.unused_keys = [(u.key, u.reason) for u in lfile.unused]
     report.warnings = list(lfile.warnings)
@@ -253,8 +254,10 @@ def build_patches(lfile: LycorisFile, key_map: dict, shapes: dict[str, dict], re
             report.unused_keys.append((module_key, SUPERSEDED.format(fused=superseded[module.prefix])))
             continue
         parts = fused_parts(module.prefix, key_map)
-        target = find_target(module, key_map, shapes) if parts is None else split_targets(module, parts, key_map,
-                                                                                           shapes)
+        if parts is None:
+            target = find_target(module, key_map, shapes, trained_on)
+        else:
+            target = split_targets(module, parts, key_map, shapes)
         if target is None:  # e.g. PEFT's (IA)³ bias part on a layer without a bias: PEFT's merge changes nothing
             report.total -= 1
             continue
@@ -284,8 +287,10 @@ def build_patches(lfile: LycorisFile, key_map: dict, shapes: dict[str, dict], re
     return patches, report
 
 
-def map_file(lfile: LycorisFile, model, clip, reference: bool) -> tuple[dict[str, dict], ApplyReport]:
-    """Patches per side and the coverage report for this file on this model/clip (nothing is patched yet)."""
+def map_file(lfile: LycorisFile, model, clip, reference: bool, trained_on: str = TRAINED_ON_UNKNOWN
+             ) -> tuple[dict[str, dict], ApplyReport]:
+    """Patches per side and the coverage report for this file on this model/clip (nothing is patched yet);
+    `trained_on` answers keymap.ROW_ORDER_UNKNOWN's question for the modules that ask it."""
     key_map, shapes = {}, {}
     if model is not None:
         key_map.update(lora_key_map(model.model, is_clip=False))
@@ -293,7 +298,7 @@ def map_file(lfile: LycorisFile, model, clip, reference: bool) -> tuple[dict[str
     if clip is not None:
         key_map.update(lora_key_map(clip.cond_stage_model, is_clip=True))
         shapes["clip"] = model_shapes(clip.cond_stage_model)
-    patches, report = build_patches(lfile, key_map, shapes, reference)
+    patches, report = build_patches(lfile, key_map, shapes, reference, trained_on)
     report.verdict = family_verdict(lfile, report, model_family(model))
     if not report.verdict:  # for a file made for another model, nearest names would only mislead
         _add_nearest_names(report, lfile, key_map)

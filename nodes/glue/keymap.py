@@ -19,6 +19,7 @@ import functools
 import json
 import re
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import comfy.lora
@@ -508,32 +509,68 @@ def fused_parts(name: str, key_map: dict) -> tuple[str, ...] | None:
 
 
 # Weights whose rows the writer's model may read in another order than ComfyUI's, under the same names and shapes,
-# told apart only by how the writer saves its keys (Module.adapter_named): ComfyUI key pattern -> why such a module is
-# refused. DiffSynth-Studio keeps PEFT's `.default.` (keys.ADAPTER_NAMED) and trains MiniMax H3 LoRAs on two models
-# (diffsynth/configs/model_configs.py, "minimax_h3_dit"): MiniMaxH3DiT for the original MiniMax/MiniMax-H3 checkpoint
-# (and its own NF4), whose MiniMaxH3Attention.forward reads qkv_proj's rows per head, view(total, heads, 3, head_dim)
+# told apart only by how the writer saves its keys (Module.adapter_named). DiffSynth-Studio keeps PEFT's `.default.`
+# (keys.ADAPTER_NAMED) and trains MiniMax H3 LoRAs on two models (diffsynth/configs/model_configs.py,
+# "minimax_h3_dit"): MiniMaxH3DiT for the original MiniMax/MiniMax-H3 checkpoint (and its own NF4), whose
+# MiniMaxH3Attention.forward reads qkv_proj's rows per head, view(total, heads, 3, head_dim)
 # (diffsynth/models/minimax_h3_dit.py), and MiniMaxH3DiTComfy(Pruned) for Comfy-Org/MiniMax-H3's checkpoints, whose
 # _comfy_attention_forward reads [q; k; v], view(total, 3, heads, head_dim) (diffsynth/models/minimax_h3_dit_comfy.py)
 # as ComfyUI's Attention.forward does (comfy/ldm/minimax/model.py: split by heads·head_dim); its lora/*.sh examples
-# train on both. Its saver (diffsynth/diffusion/logger.py ModelLogger.save_model) writes no metadata and no alpha:
-# nothing in the file says which, so neither order can be applied exactly. (diffusers 0.42.1's
-# _convert_non_diffusers_minimax_h3_lora_to_diffusers reads every such file per head.) Bare or `diffusion_model.`
-# names without `.default.` (the turbo LoRAs, ai-toolkit) are ComfyUI's own rows and apply.
+# train on both, with the same targets (attn.qkv_proj, attn.out_proj, mlp.fc1, mlp.fc2). Its saver
+# (diffsynth/diffusion/logger.py ModelLogger.save_model) writes no metadata and no alpha: nothing in the file says
+# which, so the module is refused unless the user says which checkpoint it was trained on (LyCORIS Convert's
+# trained_on). (diffusers 0.42.1's _convert_non_diffusers_minimax_h3_lora_to_diffusers reads every such file per
+# head.) Bare or `diffusion_model.` names without `.default.` (the turbo LoRAs, ai-toolkit) are ComfyUI's own rows.
+TRAINED_ON_UNKNOWN = "not known (refuse what depends on it)"
+TRAINED_ON_COMFY = "Comfy-Org's checkpoint (ComfyUI's rows)"
+TRAINED_ON_ORIGINAL = "the original checkpoint (rows per head)"
+TRAINED_ON = (TRAINED_ON_UNKNOWN, TRAINED_ON_COMFY, TRAINED_ON_ORIGINAL)
+QKV_PROJ, Q_NORM = "qkv_proj.weight", "q_norm.weight"
+
+
+def _per_head_runs(key: str, shapes: dict) -> tuple[tuple[int, int], ...] | None:
+    """ComfyUI's rows of a [q; k; v] weight in the order a per-head reader holds them (q, k, v of head 0, then of
+    head 1, ...): runs of head_dim rows, head_dim read off the layer's q_norm; None when the shapes do not fit."""
+    head_dim = shapes.get(key[: -len(QKV_PROJ)] + Q_NORM, (0,))[0]
+    rows = shapes[key][0]
+    if not head_dim or rows % (3 * head_dim):
+        return None
+    inner = rows // 3
+    return tuple((part * inner + head * head_dim, head_dim) for head in range(inner // head_dim) for part in range(3))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOrderQuestion:
+    """Why such a module is refused while the checkpoint is not known, and the runs of ComfyUI's rows the original
+    checkpoint's order is (a function of the weight key and the model's shapes)."""
+    reason: str
+    original_runs: Callable[[str, dict], tuple[tuple[int, int], ...] | None]
+
+
 ROW_ORDER_UNKNOWN = {
-    re.compile(r"diffusion_model\.(?:token_refiner\.)?blocks\.\d+\.attn\.qkv_proj\.weight"): (
+    re.compile(r"diffusion_model\.(?:token_refiner\.)?blocks\.\d+\.attn\.qkv_proj\.weight"): RowOrderQuestion(
         "row order unknown: DiffSynth-Studio (PEFT's `.default.` in the keys) trains MiniMax H3 on the original "
         "checkpoint, whose qkv_proj rows go per head (q, k, v of each head together: "
         "diffsynth/models/minimax_h3_dit.py), and on Comfy-Org's, whose rows are ComfyUI's (all q, then all k, then "
-        "all v: minimax_h3_dit_comfy.py), and the file does not say which"),
+        "all v: minimax_h3_dit_comfy.py), and the file does not say which (LyCORIS Convert's trained_on writes it "
+        "out in ComfyUI's rows once you say)", _per_head_runs),
 }
 
 
-def unknown_row_order(patch_key, adapter_named: bool) -> str | None:
-    """Why a module written this way cannot go to this key-map target exactly (ROW_ORDER_UNKNOWN), else None. Only a
-    whole weight: a row slice is one projection of diffusers' names (lightx2v's `to_q`), in ComfyUI's order."""
+def row_order_target(patch_key, adapter_named: bool, trained_on: str, shapes: dict) -> tuple[object, str | None]:
+    """(the key-map target of a module written this way, as the checkpoint it was trained on reads the rows, or why
+    it cannot be placed): ROW_ORDER_UNKNOWN's modules go as they are for ComfyUI's rows, as a RowPieces entry for rows
+    per head, and nowhere when that is not known. Only a whole weight: a row slice is one projection of diffusers'
+    names (lightx2v's `to_q`), in ComfyUI's order."""
     if not adapter_named or not isinstance(patch_key, str):
-        return None
-    return next((reason for pattern, reason in ROW_ORDER_UNKNOWN.items() if pattern.fullmatch(patch_key)), None)
+        return patch_key, None
+    question = next((q for pattern, q in ROW_ORDER_UNKNOWN.items() if pattern.fullmatch(patch_key)), None)
+    if question is None or trained_on == TRAINED_ON_COMFY:
+        return patch_key, None
+    runs = question.original_runs(patch_key, shapes) if trained_on == TRAINED_ON_ORIGINAL else None
+    if runs is None:
+        return patch_key, question.reason
+    return (patch_key, None, RowPieces(runs)), None
 
 
 def extend(module, comfy_map: dict, is_clip: bool) -> dict:

@@ -26,7 +26,7 @@ from ..glue.apply import map_file
 from ..glue.cache import load_cached
 from ..glue.coverage import Applied, model_family
 from ..glue.inputs import lycoris_input, lycoris_path
-from ..glue.keymap import lora_key_map
+from ..glue.keymap import TRAINED_ON, TRAINED_ON_COMFY, TRAINED_ON_ORIGINAL, TRAINED_ON_UNKNOWN, lora_key_map
 from ..glue.lora_files import validate_name
 from .common import (
     CATEGORY,
@@ -103,9 +103,10 @@ def convert_module(applied: Applied, target: str, weight: torch.Tensor) -> conve
     return convert.to_peft(applied.module, applied.plan, shape, weight, device())
 
 
-def plan_modules(lfile: LycorisFile, model, clip, target: str) -> tuple[list[Planned], list[tuple[str, str]]]:
+def plan_modules(lfile: LycorisFile, model, clip, target: str, trained_on: str = TRAINED_ON_UNKNOWN
+                 ) -> tuple[list[Planned], list[tuple[str, str]]]:
     """Every module of the file either planned under its target name or listed with the reason it is not."""
-    _patches, mapped = map_file(lfile, model, clip, reference=False)
+    _patches, mapped = map_file(lfile, model, clip, reference=False, trained_on=trained_on)
     key_map = key_map_of(model, clip)
     if target == convert.DIFFUSERS:
         key_map = convert.for_flux_generation(key_map, is_flux2(model))
@@ -351,14 +352,16 @@ class Conversion:
 
 
 def conversion(lfile: LycorisFile, model, clip, target: str, on_unconvertible: str, dtype_name: str,
-               title: str) -> Conversion:
+               title: str, trained_on: str = TRAINED_ON_UNKNOWN) -> Conversion:
     """The converted file (tensors + metadata) and its report; LycorisError when nothing converts or when
     `on_unconvertible` is `error` and something does not."""
     if target not in convert.TARGETS:
         raise LycorisError(f"unknown target '{target}' (kohya or diffusers)")
     if dtype_name not in DTYPES:
         raise LycorisError(f"unknown save dtype '{dtype_name}' ({', '.join(DTYPES)})")
-    planned, refused = plan_modules(lfile, model, clip, target)
+    if trained_on not in TRAINED_ON:
+        raise LycorisError(f"unknown trained_on '{trained_on}' ({'; '.join(TRAINED_ON)})")
+    planned, refused = plan_modules(lfile, model, clip, target, trained_on)
     if target == convert.DIFFUSERS:
         planned = complete_dora(planned, model, clip)
     planned, failed = _checked(planned, model, clip, target, lfile.name)
@@ -415,10 +418,10 @@ def _metadata(lfile: LycorisFile, model, target: str, title: str, records: dict,
 # --- the node ------------------------------------------------------------------------------------------------------
 
 def run(lycoris_path_: str, model, clip, target: str, on_unconvertible: str, save_dtype: str, output_name: str,
-        overwrite: bool) -> ToolReport:
+        overwrite: bool, trained_on: str = TRAINED_ON_UNKNOWN) -> ToolReport:
     lfile = load_cached(lycoris_path_)
     title = os.path.splitext(os.path.basename(output_name.strip()))[0] or "converted"
-    result = conversion(lfile, model, clip, target, on_unconvertible, save_dtype, title)
+    result = conversion(lfile, model, clip, target, on_unconvertible, save_dtype, title, trained_on)
     result.report.file = write_file(output_name, result.tensors, result.metadata, overwrite)
     return result.report
 
@@ -451,6 +454,11 @@ class LycorisConvert(io.ComfyNode):
                 io.Combo.Input("dtype", options=list(DTYPES), default="keep", optional=True,
                                tooltip="keep: each tensor's own dtype (exact). fp16/bf16/fp32: cast (the rounding "
                                        "is reported per module)."),
+                io.Combo.Input("trained_on", options=list(TRAINED_ON), default=TRAINED_ON_UNKNOWN, optional=True,
+                               tooltip="Only for files whose rows depend on the checkpoint they were trained on and "
+                                       "do not say which (DiffSynth-Studio's MiniMax H3 qkv_proj: MiniMax's original "
+                                       "checkpoint reads them per head, Comfy-Org's as ComfyUI does). The written "
+                                       "file holds ComfyUI's rows and loads anywhere."),
                 output_name_input("lycoris/converted"),
                 overwrite_input(),
             ],
@@ -461,9 +469,9 @@ class LycorisConvert(io.ComfyNode):
 
     @classmethod
     def execute(cls, lycoris_name, target, model, clip=None, on_unconvertible=REPORT, dtype="keep",
-                output_name="lycoris/converted", overwrite=False) -> io.NodeOutput:
+                output_name="lycoris/converted", overwrite=False, trained_on=TRAINED_ON_UNKNOWN) -> io.NodeOutput:
         report = run(lycoris_path(lycoris_name), model, clip, target, on_unconvertible, dtype, output_name,
-                     overwrite)
+                     overwrite, trained_on)
         return report.node_output()
 
 
@@ -472,6 +480,7 @@ NODES: list[type[io.ComfyNode]] = [LycorisConvert]
 
 # --- the command line ----------------------------------------------------------------------------------------------
 
+CLI_TRAINED_ON = {"unknown": TRAINED_ON_UNKNOWN, "comfy": TRAINED_ON_COMFY, "original": TRAINED_ON_ORIGINAL}
 CLI_HELP = "convert a file between kohya/LyCORIS names and diffusers/PEFT names, exactly (needs the checkpoint)"
 
 
@@ -488,6 +497,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--on-unconvertible", choices=[REPORT, ERROR], default=REPORT)
     parser.add_argument("--dtype", choices=list(DTYPES), default="keep", help="keep: each tensor in its own dtype")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    parser.add_argument("--trained-on", choices=["unknown", "comfy", "original"], default="unknown",
+                        help="for a file whose rows depend on the checkpoint it was trained on and that does not say "
+                             "which (DiffSynth-Studio's MiniMax H3): Comfy-Org's (ComfyUI's rows) or the original")
 
 
 def run_cli(args) -> ToolReport:
@@ -496,4 +508,4 @@ def run_cli(args) -> ToolReport:
     else:
         model, clip = checkpoint(args.checkpoint)
     return run(input_path("loras", args.file), model, clip, args.target, args.on_unconvertible, args.dtype,
-               args.output, args.overwrite)
+               args.output, args.overwrite, CLI_TRAINED_ON[args.trained_on])
