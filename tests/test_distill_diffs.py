@@ -131,13 +131,14 @@ def check_weights(got: dict, base: dict, delta: dict, strength_of, unmerged=froz
         assert error <= TOLERANCE * change.abs().max(), f"{key}: {error:.3g}"
 
 
-def forward(patcher) -> torch.Tensor:
+def forward(patcher, transformer_options: dict | None = None) -> torch.Tensor:
     """One evaluation of the loaded model (bypass entries run in it)."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(1, 16, 1, 4, 4, generator=gen)
-    context = torch.randn(1, 5, 24, generator=gen)
+    context = torch.randn(1, 5, patcher.model.diffusion_model.text_embedding[0].in_features, generator=gen)
     with torch.inference_mode():
-        return patcher.model.apply_model(x, torch.tensor([0.5]), c_crossattn=context).clone()
+        return patcher.model.apply_model(x, torch.tensor([0.5]), c_crossattn=context,
+                                         transformer_options=transformer_options or {}).clone()
 
 
 def forward_with(patcher, state: dict[str, torch.Tensor]) -> torch.Tensor:

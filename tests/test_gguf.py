@@ -127,9 +127,10 @@ def convert_to_f16(checkpoint, path) -> None:
     _write(writer, path)
 
 
-def requantize(source, path, qtype_name: str) -> None:
-    """Every multi-dimensional F16 tensor of `source` re-quantized to `qtype_name` by gguf-py (1-D tensors stay F16,
-    as llama.cpp's quantizer keeps them); convert.py's reshape metadata is carried over."""
+def requantize(source, path, qtype_name: str, quantizes=lambda name, data: True) -> None:
+    """Every multi-dimensional F16 tensor of `source` (that `quantizes` accepts) re-quantized to `qtype_name` by
+    gguf-py (1-D tensors stay F16, as llama.cpp's quantizer keeps them); convert.py's reshape metadata is carried
+    over."""
     qtype = gguf.GGMLQuantizationType[qtype_name]
     reader = gguf.GGUFReader(str(source))
     writer = gguf.GGUFWriter(path=None, arch=reader.get_field("general.architecture").contents())
@@ -141,7 +142,7 @@ def requantize(source, path, qtype_name: str) -> None:
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     for tensor in reader.tensors:
         data = tensor.data
-        if data.ndim > 1 and data.shape[-1] % block == 0:
+        if data.ndim > 1 and data.shape[-1] % block == 0 and quantizes(tensor.name, data):
             writer.add_tensor(tensor.name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
