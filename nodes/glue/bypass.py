@@ -45,6 +45,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 MODES = ("merge", "bypass", "auto")
 _ATTRIBUTE = "_lycoris_bypass"
 _CHANGE_ATTRIBUTE = "_lycoris_weight_change"
+_KEPT = "_lycoris_bypass_kept"  # the layer's BypassLayer, also while no entry is on it
 
 
 def layer_op(layer: torch.nn.Module) -> LayerOp | None:
@@ -228,13 +229,20 @@ def _own_float(layer: torch.nn.Module, name: str, device: torch.device) -> torch
 
 
 class BypassLayer:
-    """Stands in for one layer's forward while bypass entries are on it."""
+    """Stands in for one layer's forward while bypass entries are on it.
+
+    One object per layer for the layer's life (kept in `_KEPT` while no entry is on it): ComfyUI ejects and
+    re-injects around every sampling run, and torch.compile's graphs guard on the forward object, so a new one would
+    recompile every run. The forms are looked up by the input's kind only (never by which entries they came from:
+    the guard would then name those objects) and dropped whenever the entries change, so they always belong to the
+    entries on the layer now."""
 
     def __init__(self, layer: torch.nn.Module, op: LayerOp):
         self.layer, self.op = layer, op
-        self.own_forward = layer.__dict__.get("forward")  # an instance-level forward someone else set, if any
+        self.own_forward = None  # an instance-level forward someone else set, if any (read when installed)
         self.entries: dict[tuple[str, int], Contribution] = {}
-        self.prepared: tuple[tuple, Prepared] | None = None
+        self.prepared: dict[tuple, Prepared] = {}
+        self.kinds: set[tuple[torch.device, torch.dtype]] = set()  # of the plain-tensor inputs it has seen
 
     def __call__(self, x, *args, **kwargs):
         prepared = self._prepared(x)
@@ -246,44 +254,57 @@ class BypassLayer:
                        gguf.logical_shape(self.layer.weight))
 
     def _prepared(self, x: torch.Tensor) -> Prepared:
-        """The entries' forms for inputs like x, prepared at the first forward after the entries changed (or for
-        another device, dtype or tensor type: a FakeTensorMode trace gets forms of its own)."""
-        contributions = tuple(self.entries.values())
+        """The entries' forms for inputs like x (device, dtype, tensor type: a FakeTensorMode trace gets forms of
+        its own), prepared at the first forward of that kind after the entries changed."""
         key = (x.device, x.dtype, type(x))
-        if self.prepared is None or self.prepared[0] != key or not _same(self.prepared[1].contributions,
-                                                                         contributions):
+        prepared = self.prepared.get(key)
+        if prepared is None:
             shape = gguf.logical_shape(self.layer.weight)
-            self.prepared = key, prepare(list(contributions), self.op, shape, x,
-                                         lambda: float_weight_and_bias(self.layer, x.device))
-        return self.prepared[1]
+            prepared = self.prepared[key] = prepare(list(self.entries.values()), self.op, shape, x,
+                                                    lambda: float_weight_and_bias(self.layer, x.device))
+            if type(x) is torch.Tensor:
+                self.kinds.add(key[:2])
+        return prepared
+
+    def prepare_ahead(self, kinds: set[tuple[torch.device, torch.dtype]]) -> None:
+        """The forms for plain-tensor inputs of these kinds (device, dtype), prepared now: outside any traced
+        forward, so a compiled graph only reads their tensors (a strength is in their values, never a constant of
+        the graph) and the first step traces the same code as the next. Where some entry reads the layer's weight
+        or bias they are left to the first forward, which reads them as the forward sees them."""
+        entries = list(self.entries.values())
+        if any(c.reads_weight or changes_bias(c.plan) for c in entries):
+            return
+        shape = gguf.logical_shape(self.layer.weight)
+        for device, dtype in kinds:  # prepare reads only the input's device and dtype
+            self.prepared[(device, dtype, torch.Tensor)] = prepare(entries, self.op, shape,
+                                                                   torch.empty(0, device=device, dtype=dtype), None)
 
     @classmethod
     def on(cls, layer: torch.nn.Module, op: LayerOp) -> "BypassLayer":
         existing = layer.__dict__.get(_ATTRIBUTE)
         if existing is None:
-            existing = cls(layer, op)
+            existing = layer.__dict__.get(_KEPT) or cls(layer, op)
+            existing.own_forward = layer.__dict__.get("forward")
+            setattr(layer, _KEPT, existing)
             setattr(layer, _ATTRIBUTE, existing)
             layer.forward = existing
         return existing
 
     def add(self, entry_key: tuple[str, int], contribution: Contribution) -> None:
         self.entries[entry_key] = contribution
-        self.prepared = None
+        self.prepared = {}
 
     def remove(self, entry_key: tuple[str, int], contribution: Contribution) -> None:
         if self.entries.get(entry_key) is contribution:
             del self.entries[entry_key]
-        self.prepared = None  # it holds the staged tensors of the entries it was made for
+        self.prepared = {}  # it holds the staged tensors of the entries it was made for
         if not self.entries:
             if self.own_forward is None:
                 del self.layer.forward
             else:
                 self.layer.forward = self.own_forward
+            self.own_forward = None
             delattr(self.layer, _ATTRIBUTE)
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def layer_name(weight_key: str) -> str:
@@ -335,6 +356,16 @@ def _holder_of(layer: torch.nn.Module):
     return layer.__dict__.get(_CHANGE_ATTRIBUTE) or layer.__dict__.get(_ATTRIBUTE)
 
 
+def _input_kind(patcher) -> tuple[torch.device, torch.dtype] | None:
+    """(device, dtype) of the activations a diffusion model's layers get: ComfyUI casts the model's input to its
+    manual-cast dtype, else its weights' dtype (BaseModel._apply_model); None for other models (a text encoder)."""
+    model = patcher.model
+    if not hasattr(model, "get_dtype"):
+        return None
+    dtype = getattr(model, "manual_cast_dtype", None) or model.get_dtype()
+    return (torch.empty(0, device=patcher.load_device).device, dtype) if dtype in FLOAT_DTYPES else None
+
+
 def injection(key: str, entries: list[tuple[str, Contribution]], root: torch.nn.Module,
               modules: dict[str, torch.nn.Module]) -> PatcherInjection:
     """One injection installing `entries` ((weight key, contribution), in order) on the patcher's model. The layers
@@ -350,8 +381,13 @@ def injection(key: str, entries: list[tuple[str, Contribution]], root: torch.nn.
 
     def inject(patcher) -> None:
         copies = staged[id(patcher.model)] = [contribution.on(patcher.load_device) for _, contribution in entries]
-        for i, (layer, contribution) in enumerate(zip(layers(patcher), copies)):
-            _holder(layer).add((key, i), contribution)
+        holders = [_holder(layer) for layer in layers(patcher)]
+        for i, (holder, contribution) in enumerate(zip(holders, copies)):
+            holder.add((key, i), contribution)
+        expected = _input_kind(patcher)
+        for holder in {id(h): h for h in holders}.values():
+            if isinstance(holder, BypassLayer):
+                holder.prepare_ahead(holder.kinds | ({expected} if expected else set()))
 
     def eject(patcher) -> None:
         # ComfyUI may eject a clone that copied its `is_injected` flag without ever injecting: remove only ours.
