@@ -454,13 +454,14 @@ class LycorisConvert(io.ComfyNode):
                 io.Combo.Input("dtype", options=list(DTYPES), default="keep", optional=True,
                                tooltip="keep: each tensor's own dtype (exact). fp16/bf16/fp32: cast (the rounding "
                                        "is reported per module)."),
+                output_name_input("lycoris/converted"),
+                overwrite_input(),
+                # last: a saved workflow gives widget values by position, so a new input goes after the old ones
                 io.Combo.Input("trained_on", options=list(TRAINED_ON), default=TRAINED_ON_UNKNOWN, optional=True,
                                tooltip="Only for files whose rows depend on the checkpoint they were trained on and "
                                        "do not say which (DiffSynth-Studio's MiniMax H3 qkv_proj: MiniMax's original "
                                        "checkpoint reads them per head, Comfy-Org's as ComfyUI does). The written "
                                        "file holds ComfyUI's rows and loads anywhere."),
-                output_name_input("lycoris/converted"),
-                overwrite_input(),
             ],
             outputs=report_outputs(),
         )
