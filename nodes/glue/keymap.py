@@ -260,6 +260,15 @@ def component_module_paths(model) -> list[tuple[str, str]]:
 FUSED_WEIGHT_PARTS = {"qwen_image21": {"img_mlp.gate_up": ("img_mlp.gate_layer", "img_mlp.proj")}}
 
 
+def equal_row_parts(key: str, rows: int, names: list[str]) -> list[tuple[str, tuple]]:
+    """name i -> (key, (0, i·rows/n, rows/n)): n parts of equal height of a fused weight, in row order; none when
+    its rows do not divide in n."""
+    if rows % len(names):
+        return []
+    height = rows // len(names)
+    return [(name, (key, (0, i * height, height))) for i, name in enumerate(names)]
+
+
 def fused_weight_part_paths(model) -> list[tuple[str, tuple]]:
     """Each part's module path (FUSED_WEIGHT_PARTS) -> (the fused weight's key, (0, i·rows/n, rows/n)) for the i-th
     of its n parts, from the model's own weights; a weight whose rows do not divide in n gets none."""
@@ -270,9 +279,8 @@ def fused_weight_part_paths(model) -> list[tuple[str, tuple]]:
         if not (key.startswith(DIFFUSION_MODEL) and key.endswith(WEIGHT)):
             continue
         for fused, parts in table.items():
-            if ("." + path).endswith("." + fused) and shape[0] % len(parts) == 0:
-                rows, stem = shape[0] // len(parts), path[: -len(fused)]
-                paths += [(stem + part, (key, (0, i * rows, rows))) for i, part in enumerate(parts)]
+            if ("." + path).endswith("." + fused):
+                paths += equal_row_parts(key, shape[0], [path[: -len(fused)] + part for part in parts])
     return paths
 
 
@@ -281,10 +289,9 @@ def musubi_split_qkv_names(listed: list[tuple[str, object]], shapes: dict) -> li
     its Tencent name (MUSUBI_SPLIT_QKV); a fused weight whose rows do not divide in three gets none."""
     names = []
     for path, target in listed:
-        if not (path.endswith(MUSUBI_FUSED_QKV) and isinstance(target, str) and shapes[target][0] % 3 == 0):
-            continue
-        rows, stem = shapes[target][0] // 3, MUSUBI + path[: -len(MUSUBI_FUSED_QKV)].replace(".", "_")
-        names += [(stem + part, (target, (0, i * rows, rows))) for i, part in enumerate(MUSUBI_SPLIT_QKV)]
+        if path.endswith(MUSUBI_FUSED_QKV) and isinstance(target, str):
+            stem = MUSUBI + path[: -len(MUSUBI_FUSED_QKV)].replace(".", "_")
+            names += equal_row_parts(target, shapes[target][0], [stem + part for part in MUSUBI_SPLIT_QKV])
     return names
 
 
