@@ -20,9 +20,19 @@ PYTEST_FLAGS ?=
 setup:
 	bash scripts/setup.sh
 
-# pytest exits 5 when it collects no tests, so an empty run fails the build too.
+# Two passes. The tests that start no server or browser run in WORKERS processes (pytest-xdist; a test file stays
+# in one process, so its fixtures are built once): they are single-threaded Python and torch on tiny tensors, so two
+# cores run them in about half the time. Then the e2e tests (servers, browsers; marker e2e) run alone, as users'
+# machines run ComfyUI. Both passes always run; either failing fails the target. A pass that collects nothing
+# (pytest's exit 5, e.g. PYTEST_FLAGS='-k name' matching tests of one pass only) is fine unless both do.
+WORKERS ?= 2
+PASS_STATUS = || { r=$$?; if [ $$r = 5 ]; then empty=$$((empty + 1)); else status=$$r; fi; }
 test: setup
-	$(PY) -m pytest tests $(PYTEST_FLAGS)
+	@status=0; empty=0; \
+	$(PY) -m pytest tests -m "not e2e" -n $(WORKERS) --dist loadfile $(PYTEST_FLAGS) $(PASS_STATUS); \
+	$(PY) -m pytest tests -m e2e $(PYTEST_FLAGS) $(PASS_STATUS); \
+	if [ $$empty = 2 ]; then status=5; fi; \
+	exit $$status
 
 # `make demo ONCE=1` stops the server after the workflow ran.
 demo: setup

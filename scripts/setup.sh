@@ -141,9 +141,23 @@ fi
 
 mkdir -p "$DEPS"
 
+# torch's pinned build with its CUDA libraries is ~5.3 GB of the venv, and unzipping it is most of pip's time. A new
+# venv beside one that already has the same pins takes those files by hard link (pip then finds them installed);
+# pip never writes into an installed file, so the two venvs cannot change each other's copy.
+seed_torch() {
+    local other
+    for other in "$ROOT"/.venv "$ROOT"/.venv-*; do
+        [[ "$other" != "$VENV" && -x "$other/bin/python" ]] || continue
+        if "$other/bin/python" "$ROOT/scripts/seed_torch.py" "$PY" "${TORCH_PINS[@]}"; then
+            return
+        fi
+    done
+}
+
 if [[ ! -x "$PY" ]]; then
     log "creating $(basename "$VENV") with $BASE_PYTHON"
     "$BASE_PYTHON" -m venv "$VENV"
+    seed_torch
 fi
 
 extract_comfyui() {

@@ -1,5 +1,6 @@
 """Shared test setup: a real ComfyUI on the CPU, importable before any test module imports `comfy.*`."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,11 @@ setup_comfy()  # sys.path + args.cpu = True, before anything imports comfy.model
 
 import pytest
 from pack import import_pack
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # `make test`'s first pass: the cores are shared by the workers
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 import_pack()  # so test modules can `from lycoris_nodes... import` at module level
 
