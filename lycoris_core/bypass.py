@@ -117,6 +117,19 @@ class Prepared:
     forms: tuple[Form | None, ...]  # None for a bias contribution too (its change is in bias_shift)
     needs_weight: bool  # some dense contribution reads W: every forward reads it
     bias_shift: torch.Tensor | None = None  # b' - b of the bias contributions, in the input's dtype
+    # per contribution, where its change is linear in the strength (D(m) = m·D(1): every change but LyCORIS' own
+    # DoRA/OFT/BOFT semantics): the contribution at strength 1 and m as a 0-d fp32 tensor, so a compiled graph of
+    # the dense path reads m as data and a strength change reuses it; () or None: D formed at the strength itself
+    units: tuple[Contribution, ...] = ()
+    strengths: tuple[torch.Tensor | None, ...] = ()
+
+    def change(self, k: int, current: torch.Tensor | None, shape: tuple[int, ...], device: torch.device
+               ) -> torch.Tensor:
+        """D of contribution k (`_change`), as m·D(1) where that is its definition."""
+        strength = self.strengths[k] if self.strengths else None
+        if strength is None:
+            return _change(self.contributions[k], current, shape, device)
+        return _change(self.units[k], current, shape, device) * strength
 
 
 def prepare(contributions: list[Contribution], op: LayerOp, shape: tuple[int, ...], x: torch.Tensor,
@@ -142,7 +155,11 @@ def prepare(contributions: list[Contribution], op: LayerOp, shape: tuple[int, ..
             c.rows_of(current).add_(_change(c, current, shape, current.device))
     dense_readers = [i for i in readers if forms[i] is None]
     shift = _bias_shift(biased, bias, op, x)
-    return Prepared(tuple(contributions), tuple(forms), bool(dense_readers), shift)
+    linear = [not c.plan.reference and not changes_bias(c.plan) for c in contributions]
+    return Prepared(tuple(contributions), tuple(forms), bool(dense_readers), shift,
+                    tuple(replace(c, strength=1.0) if lin else c for c, lin in zip(contributions, linear)),
+                    tuple(torch.full((), float(c.strength), dtype=torch.float32, device=x.device) if lin else None
+                          for c, lin in zip(contributions, linear)))
 
 
 def _bias_shift(biased: list[Contribution], bias: torch.Tensor | None, op: LayerOp, x: torch.Tensor
@@ -210,12 +227,12 @@ def forward(x: torch.Tensor, layer_forward: Callable[[torch.Tensor], torch.Tenso
         if form is not None:
             y = _output(form, y, inputs[k], c.rows, op.channel_dim)
         else:
-            d = _change(c, current, shape, x.device)
+            d = prepared.change(k, current, shape, x.device)
             y = _add(y, op(inputs[k], cast(d, x.device, x.dtype)), c.rows, op.channel_dim)
         if current is not None and k < last_dense_reader:  # a later dense reader sees this change
             if not private:
                 current, private = current.clone(), True
-            change = d if form is None else _change(c, current, shape, current.device)
+            change = d if form is None else prepared.change(k, current, shape, current.device)
             c.rows_of(current).add_(cast(change, current.device, current.dtype))
     if prepared.bias_shift is not None:
         y = y + cast(prepared.bias_shift, y.device, y.dtype)

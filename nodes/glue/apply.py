@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import comfy.utils
 import torch
+from comfy.patcher_extension import WrappersMP
 
 from ...lycoris_core import LycorisError, LycorisFile, Module, Plan
 from ...lycoris_core.block_weights import BlockWeights
@@ -21,6 +22,7 @@ from .adapter import LycorisAdapter
 from .bypass import (
     bypassed_layers,
     contribution,
+    forward_check,
     injection,
     layer_name,
     merge_dtype,
@@ -431,7 +433,10 @@ def patched_clone(target, patches: dict, strength: float, weights: BlockWeights 
         raise LycorisError(f"ComfyUI refused {len(refused)} patches, e.g. {refused[0]}", file=file)
     if bypassed:
         key = key or f"lycoris:{uuid.uuid4().hex}"
-        patcher.set_injections(key, [injection(key, bypassed, patcher.model, modules)])
+        installed = injection(key, bypassed, patcher.model, modules)
+        patcher.set_injections(key, [installed])
+        patcher.add_wrapper_with_key(WrappersMP.APPLY_MODEL, key, installed.lycoris_prepare)  # forms reading W, ahead
+        patcher.add_wrapper_with_key(WrappersMP.APPLY_MODEL, key, forward_check(installed, file))  # or stop the run
     if report is not None:
         report.bypassed += len(bypassed)
         report.at_weight_cast += sum(skips_forward(modules[layer_name(k)]) for k, _ in bypassed)

@@ -10,15 +10,26 @@ every entry's form in order (lycoris_core.bypass). Ejecting removes exactly the 
 any order, and the layer's own forward comes back when the last one goes.
 
 Injecting stages each entry's tensors on the patcher's load device (private copies, dropped on eject), so a
-forward moves no adapter tensor between devices. The forms are prepared at the first forward after the entries
-change (reading the weight then, if some change depends on it) and kept until they change again: ComfyUI changes a
+forward moves no adapter tensor between devices. The forms are prepared outside any forward, for the input kind
+ComfyUI feeds the model: at inject, or, where some change reads the weight or bias, by the injection's APPLY_MODEL
+wrapper just before the model runs (outside TorchCompileModel's compiled region, so a compiled step only reads the
+forms' tensors, strength included, and traces the same branch every run); an input of another kind gets its forms
+at its first forward. They are kept until the entries change again: ComfyUI changes a
 loaded model's weights (patching, unpatching, hooks, dynamic VRAM's re-patching) only with its injections ejected
 (`ModelPatcher.use_ejected`), so an injection sees one weight for its whole life.
 
 A layer ComfyUI uses without calling its forward (`skips_forward`) gets its entries as a `WeightChange` in its
 `weight_function` list instead: ComfyUI's cast path runs those on the weight wherever the weight is used.
+
+Never silently skipped: a comfy.ops layer a `BypassLayer` holds also carries a `CastGuard` in its weight (and bias)
+function list, hidden while our forward runs. Wherever ComfyUI casts the weight without that forward (0.38's
+`linear_input_act` fp16 path, 0.33's MiniMax audio VAE qkv, another pack's forward that casts), the guard adds the
+entries' change at the cast (`changed_weight`, exact) and the eject logs once per run how many layers took that
+path. A layer whose forward another pack replaced after ours, called in a step without reaching ours or its cast,
+stops the run with an error naming it (`forward_check`, one of ComfyUI's APPLY_MODEL wrappers).
 """
 
+import logging
 from dataclasses import dataclass
 
 import comfy.model_management
@@ -27,6 +38,7 @@ import torch
 from comfy.patcher_extension import PatcherInjection
 from comfy.quant_ops import QuantizedTensor
 
+from ...lycoris_core import LycorisError
 from ...lycoris_core.bypass import (
     Contribution,
     LayerOp,
@@ -46,6 +58,8 @@ MODES = ("merge", "bypass", "auto")
 _ATTRIBUTE = "_lycoris_bypass"
 _CHANGE_ATTRIBUTE = "_lycoris_weight_change"
 _KEPT = "_lycoris_bypass_kept"  # the layer's BypassLayer, also while no entry is on it
+NAMED = 3  # layers a log line or an error names before "…"
+log = logging.getLogger("lycoris_nodes")
 
 
 def layer_op(layer: torch.nn.Module) -> LayerOp | None:
@@ -186,8 +200,14 @@ def float_weight_and_bias(layer: torch.nn.Module, device: torch.device) -> tuple
     if not is_comfy_op(layer):
         return _own_float(layer, "weight", device), _own_float(layer, "bias", device)
     dtype = _read_dtype(layer, device)
-    weight, bias, offload = comfy.ops.cast_bias_weight(layer, dtype=dtype, device=device, bias_dtype=dtype,
-                                                       offloadable=True)
+    holder = layer.__dict__.get(_KEPT)  # its cast guards stay out of this read: it wants W as the forward gets it
+    lists = holder.hide_guards() if holder is not None else {}
+    try:
+        weight, bias, offload = comfy.ops.cast_bias_weight(layer, dtype=dtype, device=device, bias_dtype=dtype,
+                                                           offloadable=True)
+    finally:
+        if holder is not None:
+            holder.restore(lists)
     try:
         read = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
         convert = getattr(layer, "convert_weight", None)  # 0.3.75's scaled fp8: the cast gives W / scale_weight
@@ -243,8 +263,36 @@ class BypassLayer:
         self.entries: dict[tuple[str, int], Contribution] = {}
         self.prepared: dict[tuple, Prepared] = {}
         self.kinds: set[tuple[torch.device, torch.dtype]] = set()  # of the plain-tensor inputs it has seen
+        self.guards = {p: CastGuard(self, p) for p in ("weight", "bias")} if _castable(layer) else {}
+        self.shown: dict[str, CastGuard] = {}  # the guards in the layer's function lists now
+        self.cast_outside = False  # a guard changed a cast since the last eject
+        self.watching = self.ran = False  # forward_check's question: did this run in the watched step?
 
     def __call__(self, x, *args, **kwargs):
+        if self.watching:
+            self.ran = True
+        if not self.shown:
+            return self._forward(x, *args, **kwargs)
+        # the guards out of the lists while our forward runs: it applies the entries itself, and the layer's own
+        # forward takes exactly the path it takes without them (no cast path, fp8 matmul kept)
+        lists = self.hide_guards()
+        try:
+            return self._forward(x, *args, **kwargs)
+        finally:
+            self.restore(lists)
+
+    def hide_guards(self) -> dict[str, list]:
+        """The layer's function lists holding a guard, as they are; the layer gets them without the guards."""
+        lists = {p: getattr(self.layer, f"{p}_function") for p in self.shown}
+        for p, functions in lists.items():
+            setattr(self.layer, f"{p}_function", [f for f in functions if f is not self.shown[p]])
+        return lists
+
+    def restore(self, lists: dict[str, list]) -> None:
+        for p, functions in lists.items():
+            setattr(self.layer, f"{p}_function", functions)
+
+    def _forward(self, x, *args, **kwargs):
         prepared = self._prepared(x)
         # W is read before the layer's own forward: under dynamic VRAM that forward may patch ComfyUI's transfer
         # buffer in place, which a read after it would patch a second time
@@ -266,18 +314,23 @@ class BypassLayer:
                 self.kinds.add(key[:2])
         return prepared
 
-    def prepare_ahead(self, kinds: set[tuple[torch.device, torch.dtype]]) -> None:
+    def prepare_ahead(self, kinds: set[tuple[torch.device, torch.dtype]], read_weight: bool = False) -> bool:
         """The forms for plain-tensor inputs of these kinds (device, dtype), prepared now: outside any traced
         forward, so a compiled graph only reads their tensors (a strength is in their values, never a constant of
         the graph) and the first step traces the same code as the next. Where some entry reads the layer's weight
-        or bias they are left to the first forward, which reads them as the forward sees them."""
+        or bias, only when `read_weight` (before a run, `injection`'s APPLY_MODEL wrapper; never at inject, where
+        0.33's dynamic VRAM has no readable weight). Returns whether the forms are prepared."""
         entries = list(self.entries.values())
-        if any(c.reads_weight or changes_bias(c.plan) for c in entries):
-            return
+        reads = any(c.reads_weight or changes_bias(c.plan) for c in entries)
+        if reads and not read_weight:
+            return False
         shape = gguf.logical_shape(self.layer.weight)
         for device, dtype in kinds:  # prepare reads only the input's device and dtype
-            self.prepared[(device, dtype, torch.Tensor)] = prepare(entries, self.op, shape,
-                                                                   torch.empty(0, device=device, dtype=dtype), None)
+            if (device, dtype, torch.Tensor) not in self.prepared:
+                self.prepared[(device, dtype, torch.Tensor)] = prepare(
+                    entries, self.op, shape, torch.empty(0, device=device, dtype=dtype),
+                    (lambda d=device: float_weight_and_bias(self.layer, d)) if reads else None)
+        return True
 
     @classmethod
     def on(cls, layer: torch.nn.Module, op: LayerOp) -> "BypassLayer":
@@ -293,11 +346,13 @@ class BypassLayer:
     def add(self, entry_key: tuple[str, int], contribution: Contribution) -> None:
         self.entries[entry_key] = contribution
         self.prepared = {}
+        self._show_guards()
 
     def remove(self, entry_key: tuple[str, int], contribution: Contribution) -> None:
         if self.entries.get(entry_key) is contribution:
             del self.entries[entry_key]
         self.prepared = {}  # it holds the staged tensors of the entries it was made for
+        self._show_guards()
         if not self.entries:
             if self.own_forward is None:
                 del self.layer.forward
@@ -305,6 +360,41 @@ class BypassLayer:
                 self.layer.forward = self.own_forward
             self.own_forward = None
             delattr(self.layer, _ATTRIBUTE)
+
+    def _show_guards(self) -> None:
+        """Each guard in its list while some entry changes its param, else out of it (new lists: the class default
+        is shared)."""
+        for p, guard in self.guards.items():
+            wanted = any(changes_bias(c.plan) == (p == "bias") for c in self.entries.values())
+            functions = [f for f in getattr(self.layer, f"{p}_function") if f is not guard]
+            setattr(self.layer, f"{p}_function", [*functions, guard] if wanted else functions)
+            if wanted:
+                self.shown[p] = guard
+            else:
+                self.shown.pop(p, None)
+
+
+def _castable(layer: torch.nn.Module) -> bool:
+    """A layer ComfyUI can cast without its forward (comfy.ops' cast_bias_weight, which runs the function lists);
+    a GGUF layer is cast by the GGUF pack's own code."""
+    return is_comfy_op(layer) and not gguf.is_gguf_layer(layer)
+
+
+class CastGuard:
+    """A held layer's changes of one param ("weight" or "bias") where ComfyUI casts it outside our forward.
+
+    In the layer's `weight_function` (or `bias_function`) list, which comfy.ops' cast path runs, except while our
+    forward runs: a cast then means the layer is computed without its forward (0.38's fused `linear_input_act`,
+    0.33's MiniMax audio VAE qkv, another pack's forward). It returns the param plus the entries' changes of that
+    param, in order (`changed_weight`: the maths a merge does, exact), and marks the layer for the run's log line."""
+
+    def __init__(self, holder: BypassLayer, param: str):
+        self.holder, self.param = holder, param
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.holder.cast_outside = True
+        biased = self.param == "bias"
+        return changed_weight(tensor, [c for c in self.holder.entries.values() if changes_bias(c.plan) == biased])
 
 
 def layer_name(weight_key: str) -> str:
@@ -373,34 +463,95 @@ def injection(key: str, entries: list[tuple[str, Contribution]], root: torch.nn.
     Injecting stages each contribution's tensors on the patcher's load device; ejecting drops those copies."""
     resolved = {id(root): [modules[layer_name(weight_key)] for weight_key, _ in entries]}
     staged: dict[int, list[Contribution]] = {}  # per model object: the copies inject put on the layers
+    waiting: dict[int, list] = {}  # per model object: (layer, input kinds) whose forms read W, not yet prepared
 
-    def layers(patcher) -> list[torch.nn.Module]:
-        if id(patcher.model) not in resolved:
-            resolved[id(patcher.model)] = [_layer(patcher.model, weight_key) for weight_key, _ in entries]
-        return resolved[id(patcher.model)]
+    def layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+        if id(model) not in resolved:
+            resolved[id(model)] = [_layer(model, weight_key) for weight_key, _ in entries]
+        return resolved[id(model)]
 
     def inject(patcher) -> None:
         copies = staged[id(patcher.model)] = [contribution.on(patcher.load_device) for _, contribution in entries]
-        holders = [_holder(layer) for layer in layers(patcher)]
+        holders = [_holder(layer) for layer in layers(patcher.model)]
         for i, (holder, contribution) in enumerate(zip(holders, copies)):
             holder.add((key, i), contribution)
         expected = _input_kind(patcher)
-        for holder in {id(h): h for h in holders}.values():
-            if isinstance(holder, BypassLayer):
-                holder.prepare_ahead(holder.kinds | ({expected} if expected else set()))
+        kinds = [(h, h.kinds | ({expected} if expected else set()))
+                 for h in {id(h): h for h in holders}.values() if isinstance(h, BypassLayer)]
+        waiting[id(patcher.model)] = [(h, k) for h, k in kinds if not h.prepare_ahead(k)]
+
+    def prepare_waiting(executor, *args, **kwargs):
+        """An APPLY_MODEL wrapper: the forms that read a weight, prepared before the model runs (outside any
+        compiled region: ComfyUI's TorchCompileModel compiles the diffusion model inside this call)."""
+        for holder, kinds in waiting.pop(id(executor.class_obj), ()):
+            holder.prepare_ahead(kinds, read_weight=True)
+        return executor(*args, **kwargs)
 
     def eject(patcher) -> None:
+        waiting.pop(id(patcher.model), None)
         # ComfyUI may eject a clone that copied its `is_injected` flag without ever injecting: remove only ours.
-        for i, (layer, contribution) in enumerate(zip(layers(patcher), staged.pop(id(patcher.model), []))):
+        cast_outside = []
+        for i, (layer, contribution) in enumerate(zip(layers(patcher.model), staged.pop(id(patcher.model), []))):
             holder = _holder_of(layer)
             if holder is not None:
+                if getattr(holder, "cast_outside", False):
+                    holder.cast_outside = False
+                    cast_outside.append(layer_name(entries[i][0]))
                 holder.remove((key, i), contribution)
+        _log_cast_outside(cast_outside)
 
     bypass = PatcherInjection(inject, eject)
+    bypass.lycoris_layers_of = lambda model: [(layer_name(k), layer) for (k, _), layer in zip(entries, layers(model))]
     bypass.lycoris_layers = frozenset(weight_key for weight_key, _ in entries)
     bypass.lycoris_readers = frozenset(weight_key for weight_key, c in entries if c.reads_weight)
     bypass.lycoris_entries = tuple(entries)  # (weight key, contribution) in order: what LycorisSave writes
+    bypass.lycoris_prepare = prepare_waiting  # the patcher's APPLY_MODEL wrapper under the injection's key
     return bypass
+
+
+def _named(names: list[str]) -> str:
+    return ", ".join(names[:NAMED]) + (", …" if len(names) > NAMED else "")
+
+
+def _log_cast_outside(names: list[str]) -> None:
+    if names:
+        log.info("bypass: %d layer(s) were changed at their weight cast instead of their forward, because ComfyUI "
+                 "computed them without the layer's forward (fused path): %s", len(names), _named(names))
+
+
+def forward_check(bypass: PatcherInjection, file: str):
+    """An APPLY_MODEL wrapper stopping the run where a bypassed layer lost its change: its forward replaced after
+    ours (another pack), the layer called in the step, and neither our forward nor its cast guard ran. A layer the
+    step did not call is not judged (a model may not use every layer in every step); a replaced forward that calls
+    ours is fine. Costs a look-up per bypassed layer per step; only replaced layers are watched."""
+
+    def wrapper(executor, *args, **kwargs):
+        replaced = [(name, layer, layer.__dict__[_ATTRIBUTE])
+                    for name, layer in bypass.lycoris_layers_of(executor.class_obj)
+                    if isinstance(layer.__dict__.get(_ATTRIBUTE), BypassLayer)
+                    and layer.__dict__.get("forward") is not layer.__dict__[_ATTRIBUTE]]
+        if not replaced:
+            return executor(*args, **kwargs)
+        called, hooks = set(), []
+        for name, layer, holder in replaced:
+            holder.watching, holder.ran, holder.cast_outside = True, False, False
+            hooks.append(layer.register_forward_pre_hook(lambda module, _args, name=name: called.add(name)))
+        try:
+            out = executor(*args, **kwargs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for _name, _layer, holder in replaced:
+                holder.watching = False
+        lost = sorted({name for name, _layer, holder in replaced
+                       if name in called and not holder.ran and not holder.cast_outside})
+        if lost:
+            raise LycorisError(f"{len(lost)} bypassed layer(s) ran without their change: another custom node "
+                               f"replaced their forward after this one and does not call it ({_named(lost)}); "
+                               "use apply_mode merge, or apply this file after that node", file=file)
+        return out
+
+    return wrapper
 
 
 @dataclass(frozen=True)
