@@ -19,13 +19,16 @@ import os
 import comfy.model_management
 import pytest
 import test_bypass_nodes
+import test_gguf
 import test_nodes
 import torch
 import torch._dynamo
 from comfy_extras import nodes_torch_compile
 from lycoris_nodes.nodes.glue import apply
+from lycoris_nodes.nodes.glue import report as panel_report
 from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
 from node_runner import execute
+from safetensors.torch import load_file
 from test_bypass_nodes import CONV3, assert_matches, no_panel_measurement, sample  # noqa: F401
 from test_nodes import PROJ_IN, TO_Q, lora, write
 
@@ -34,6 +37,20 @@ conds = test_bypass_nodes.conds
 
 MODES = ("merge", "bypass", "auto")
 ORDERS = ("lycoris, then compile", "compile, then lycoris")
+# real lycoris-lora 4.1.3 files (test_gguf._make_file), kept to 4 of its layers (a few of the UNet's compiled frames
+# to retrace per file): forms prepared at inject (LoCon, LoKr, LoHa), forms that read W (DoRA, diag-OFT), and the
+# dense path (LoHa/LoKr on out.2, 320 -> 4, where no form is smaller than the weight)
+# By default (CI's budget) the two that recompiled before: DoRA (its forms read W) and LoHa (its dense path on
+# out.2); LYCORIS_COMPILE_TABLE=1 runs all five (~60 s more on 2 CPU cores: each file retraces its frames)
+ALGORITHMS = (("locon", "locon_dora", "lokr", "loha", "oft") if os.environ.get("LYCORIS_COMPILE_TABLE")
+              else ("locon_dora", "loha"))
+LAYERS = ("input_blocks.1.0.in_layers.2", f"{test_gguf.ATTN}.attn1.to_q", f"{test_gguf.ATTN}.attn1.to_out.0", "out.2")
+# file × mode × order: the hand-written LoRA file in every mode and order; each lycoris-lora file in bypass and in auto,
+# one order each, alternating (each algorithm meets both orders; a full square would double the runtime for a second
+# order that retraces nothing: auto here bypasses the same layers as bypass, and both orders reuse one graph set)
+CASES = ([("lora", mode, order) for order in ORDERS for mode in MODES]
+         + [(algo, mode, ORDERS[(i + j) % 2]) for i, algo in enumerate(ALGORITHMS)
+            for j, mode in enumerate(("bypass", "auto"))])
 
 
 class CountingBackend:
@@ -68,74 +85,87 @@ def chain(model, name, strength, mode, order, backend, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def lycoris_file(tmp_path_factory):
-    """LoRA on a Linear, a 1×1 and a 3×3 conv, in a loras folder ComfyUI lists."""
+def lycoris_files(sd15, tmp_path_factory):
+    """{file id: name} in a loras folder ComfyUI lists: "lora" a LoRA on a Linear, a 1×1 and a 3×3 conv; each of
+    ALGORITHMS a lycoris-lora file (test_gguf._make_file, on the model's own float layers as test_everywhere)."""
     import folder_paths
     from lycoris_nodes.nodes.glue import cache
 
     folder = tmp_path_factory.mktemp("loras")
     sd = {**lora(TO_Q, 320, 320, seed=1), **lora(PROJ_IN, 320, 320, seed=3, kernel=(1, 1)),
           **lora(CONV3, 320, 320, seed=5, kernel=(3, 3))}
-    name = write(folder, "compile.safetensors", sd)
+    names = {"lora": write(folder, "compile.safetensors", sd)}
     mp = pytest.MonkeyPatch()
+    mp.setattr(test_gguf, "dequantized", lambda _layer, t: None if t is None else t.detach().double())
+    kept = tuple(f"lora_unet_{path.replace('.', '_')}." for path in LAYERS)
+    for algo in ALGORITHMS:
+        made = test_gguf._make_file(algo, sd15[0], tmp_path_factory.mktemp(algo)).path
+        names[algo] = write(folder, f"compile_{algo}.safetensors",
+                            {k: v for k, v in load_file(made).items() if k.startswith(kept)})
     mp.setitem(folder_paths.folder_names_and_paths, "loras", ([str(folder)], folder_paths.supported_pt_extensions))
     mp.setattr(folder_paths, "filename_list_cache", {})
     cache.clear()
-    yield name
+    yield names
     mp.undo()
     cache.clear()
 
 
 @pytest.fixture(scope="module")
-def graphs(sd15, conds, lycoris_file):
-    """{(order, mode): [graphs compiled by the first run, by a re-run, by a strength change]}, and the bypass
-    clone's compiled (counting backend) and uncompiled samples."""
+def lycoris_file(lycoris_files):
+    return lycoris_files["lora"]
+
+
+@pytest.fixture(scope="module")
+def graphs(sd15, conds, lycoris_files):
+    """{(file, mode, order): [graphs compiled by the first run, by a re-run, by a strength change]} for CASES, and
+    their compiled (counting backend) samples and each file's uncompiled bypass sample at strength 0.5."""
     mp = pytest.MonkeyPatch()
     mp.setattr(apply, "merge_dtype", lambda patcher: torch.float16)  # auto bypasses fp32 weights, as on 0.33 + GPU
+    mp.setattr(panel_report, "LOADER_MEASURE_BUDGET", -1)  # as no_panel_measurement, for this module-scoped fixture
     torch._dynamo.reset()
     model = sd15[0]
     sample(model, conds)  # ComfyUI's first load of the model, uncompiled (its parameters' first use)
     counts, samples = {}, {}
     backend = CountingBackend()  # one for all: dynamo may hand a graph to the backend that compiled the frame first
-    with torch._dynamo.config.patch(recompile_limit=64):  # every configuration here is compiled, none falls back
-        for order in ORDERS:
-            for mode in MODES:
-                patched = chain(model, lycoris_file, 1.0, mode, order, backend, mp)
-                seen = []
-                for run in ("first", "re-run", "strength"):
-                    if run == "strength":
-                        patched = chain(model, lycoris_file, 0.5, mode, order, backend, mp)
-                    before = backend.graphs
-                    out = sample(patched, conds)
-                    seen.append(backend.graphs - before)
-                    samples[order, mode, run] = out
-                counts[order, mode] = seen
-    samples["uncompiled"] = sample(loader(model, lycoris_file, 0.5, "bypass"), conds)
+    with torch._dynamo.config.patch(recompile_limit=256):  # every configuration here is compiled, none falls back
+        for case in CASES:
+            file, mode, order = case
+            patched = chain(model, lycoris_files[file], 1.0, mode, order, backend, mp)
+            seen = []
+            for run in ("first", "re-run", "strength"):
+                if run == "strength":
+                    patched = chain(model, lycoris_files[file], 0.5, mode, order, backend, mp)
+                before = backend.graphs
+                out = sample(patched, conds)
+                seen.append(backend.graphs - before)
+                samples[(*case, run)] = out
+            counts[case] = seen
+    for file in lycoris_files:
+        samples[file, "uncompiled"] = sample(loader(model, lycoris_files[file], 0.5, "bypass"), conds)
     mp.undo()
     torch._dynamo.reset()
     comfy.model_management.unload_all_models()
     return counts, samples
 
 
-@pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("mode", MODES)
-def test_a_rerun_and_a_strength_change_compile_no_new_graph(graphs, order, mode):
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_a_rerun_and_a_strength_change_compile_no_new_graph(graphs, case):
     counts, _ = graphs
-    assert sum(counts[ORDERS[0], "merge"]) >= 1 and counts[ORDERS[0], "bypass"][0] >= 1, \
+    assert sum(counts[CASES[0]]) >= 1 and counts["lora", "bypass", ORDERS[0]][0] >= 1, \
         f"nothing was traced: the test proves nothing ({counts})"
-    _first, rerun, strength = counts[order, mode]
+    _first, rerun, strength = counts[case]
     # merge's re-run after the very first compiled run: ComfyUI's input conv recompiles once (its weight's dispatch
-    # keys change after that run), whatever the pack does; merge runs first, so bypass and auto meet it no more
-    allowed = 1 if (order, mode) == (ORDERS[0], "merge") else 0
-    assert rerun <= allowed and strength == 0, f"{mode}, {order}: graphs per run {counts[order, mode]}"
+    # keys change after that run), whatever the pack does; merge runs first, so the others meet it no more
+    allowed = 1 if case == CASES[0] else 0
+    assert rerun <= allowed and strength == 0, f"{case}: graphs per run {counts[case]}"
 
 
-def test_compiled_bypass_follows_the_strength(graphs, sd15, conds):
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] != "merge"], ids=lambda c: "-".join(c))
+def test_compiled_bypass_follows_the_strength(graphs, case):
     _, samples = graphs
-    for order in ORDERS:
-        for mode in ("bypass", "auto"):
-            assert_matches(samples[order, mode, "strength"], samples["uncompiled"], samples[order, mode, "first"],
-                           f"{mode}, {order}, strength 0.5")
+    file = case[0]
+    assert_matches(samples[(*case, "strength")], samples[file, "uncompiled"], samples[(*case, "first")],
+                   f"{case}, strength 0.5")
 
 
 @pytest.mark.skipif(not os.environ.get("LYCORIS_INDUCTOR_TESTS"),
@@ -145,6 +175,6 @@ def test_inductor_output_equals_the_uncompiled_run(graphs, sd15, conds, lycoris_
     _, samples = graphs
     torch._dynamo.reset()
     compiled = chain(sd15[0], lycoris_file, 0.5, "bypass", ORDERS[1], "inductor", monkeypatch)
-    assert_matches(sample(compiled, conds), samples["uncompiled"], samples[ORDERS[1], "bypass", "first"],
+    assert_matches(sample(compiled, conds), samples["lora", "uncompiled"], samples["lora", "bypass", ORDERS[1], "first"],
                    "inductor bypass, strength 0.5")
     torch._dynamo.reset()

@@ -4,6 +4,7 @@ Files are written by hand with kohya/LyCORIS key names; truth is W + ΔW compute
 """
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
 
@@ -55,17 +56,26 @@ def originals(sd15):
     return {TO_Q_KEY: msd[TO_Q_KEY].clone(), PROJ_IN_KEY: msd[PROJ_IN_KEY].clone(), TE_Q_KEY: csd[TE_Q_KEY].clone()}
 
 
+@contextlib.contextmanager
+def listed_loras(folder):
+    """`folder` as ComfyUI's (and so the node combo's) loras folder while in the block, the pack's cache empty."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(folder_paths.folder_names_and_paths, "loras", ([str(folder)], folder_paths.supported_pt_extensions))
+        mp.setattr(folder_paths, "filename_list_cache", {})
+        cache.clear()
+        try:
+            yield folder
+        finally:
+            cache.clear()
+
+
 @pytest.fixture()
-def loras(tmp_path, monkeypatch):
+def loras(tmp_path):
     """An empty loras folder that ComfyUI's folder_paths (and so the node's combo) lists."""
     folder = tmp_path / "loras"
     folder.mkdir()
-    monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras",
-                        ([str(folder)], folder_paths.supported_pt_extensions))
-    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
-    cache.clear()
-    yield folder
-    cache.clear()
+    with listed_loras(folder):
+        yield folder
     comfy.model_management.unload_all_models()
 
 
