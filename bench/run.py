@@ -42,7 +42,7 @@ import unet_shapes
 from lycoris_nodes.lycoris_core import parse_state_dict
 from lycoris_nodes.nodes.glue.apply import apply_file, build_patches
 
-ALL_ROWS = "1,2,3,4,5"
+ALL_ROWS = "1,2,3,4,5,6"
 CPU = torch.device("cpu")
 FP16 = torch.float16
 SETTINGS = {
@@ -503,6 +503,83 @@ def forward_rows(shapes, key_map, weights: Weights, inputs, repeats: int) -> tup
     return offloaded, bypass_cost
 
 
+# ---- row 6: under torch.compile ----------------------------------------------------------------------------------
+
+def compiled_path(change, model: Model, repeats: int) -> dict:
+    """One path under torch.compile (inductor) on its own model copy: graphs dynamo compiles and seconds of the
+    first run (compiling), of a re-run (ComfyUI ejects and re-injects around every sampling run; then one compiled
+    forward) and of a strength change (the loader again, load_models_gpu, one compiled forward)."""
+    layers, inputs = model.forward.layers, model.forward.inputs
+
+    def forward():  # returns the outputs: a compiled function whose results go unused computes nothing
+        return [layer(inputs[layer.in_features]) for layer in layers]
+
+    step = torch.compile(forward, backend="inductor")
+    graphs = torch._dynamo.utils.counters["stats"]
+    state = {"p": change(model.base, 1.0)}
+    forward()  # uncompiled once: the layers learn their input's dtype, as a real model's get_dtype tells them
+
+    def rerun():
+        state["p"].eject_model()
+        state["p"].inject_model()
+        step()
+
+    strengths = iter([0.5, 0.8] * (repeats + 2))
+
+    def strength():
+        state["p"] = change(model.base, next(strengths))
+        step()
+
+    out = {}
+    for name, fn, n in (("first", step, 1), ("rerun", rerun, repeats), ("strength", strength, repeats)):
+        before = graphs["unique_graphs"]
+        out[name] = [timed(fn) for _ in range(n)]
+        out[f"{name} graphs"] = graphs["unique_graphs"] - before
+    out["changed"] = model.output_changed() or not model.weights_unchanged()
+    comfy.model_management.unload_all_models()
+    state.clear()
+    return out
+
+
+def compiled_rows(shapes, key_map, weights: Weights, inputs, repeats: int) -> list[Row]:
+    """Row 6: our bypass under torch.compile against ComfyUI's compiled merge (and ComfyUI's own bypass where it
+    has one), same file and inputs: graphs per run and the time of a re-run and of a strength change."""
+    sd = files.state_dict("locon_r32", shapes, key_map, seed=10)
+    lfile = parse_state_dict(sd, "locon_r32.safetensors")
+    load = comfy.model_management.load_models_gpu
+
+    def loaded(new):
+        load([new])
+        return new
+
+    paths = {"ours bypass": lambda base, s: loaded(our_bypass(lfile, base, s)),
+             "ComfyUI merge": lambda base, s: loaded(comfy.sd.load_lora_for_models(base, None, sd, s, 0.0)[0])}
+    core_bypass = getattr(comfy.sd, "load_bypass_lora_for_models", None)  # ComfyUI 0.33 on
+    if core_bypass is not None:
+        paths["ComfyUI bypass"] = lambda base, s: loaded(core_bypass(base, None, sd, s, 0.0)[0])
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=64):  # every path compiled, none falls back to eager
+        runs = {name: compiled_path(change, Model(shapes, weights, inputs), repeats) for name, change in paths.items()}
+    torch._dynamo.reset()
+    ours = runs["ours bypass"]
+    assert all(r["changed"] for r in runs.values()), "a compiled path left the model unchanged"
+    label = f"sdxl {len(shapes)} layers locon_r32, inductor"
+    rows = []
+    for other, r in runs.items():
+        if other == "ours bypass":
+            continue
+        graphs = "; ".join(f"{n}: graphs first/re-run/strength {x['first graphs']}/{x['rerun graphs']}/"
+                           f"{x['strength graphs']}, first run {x['first'][0]:.2f} s" for n, x in
+                           (("ours", ours), (other, r)))
+        for run, what in (("rerun", "re-run (eject, re-inject, forward)"),
+                          ("strength", "strength change (loader, load, forward)")):
+            rows.append(Row(f"compiled {what} {label}, ours bypass vs {other}", ours[run], r[run], "report",
+                            note=graphs))
+    for row in rows:
+        log(row.line())
+    return rows
+
+
 # ---- row 5: loading ----------------------------------------------------------------------------------------------
 
 def write_file(path: str, model: str, rank: int) -> int:
@@ -613,7 +690,7 @@ def main(argv=None) -> int:
                 machine.measure()
                 log(f"floor from {machine.line()}")
                 rows += finish_merge_rows(pending, machine)
-        if which & {2, 3, 4}:
+        if which & {2, 3, 4, 6}:
             shapes = sdxl_layers(cfg["layers"])
             key_map = unet_shapes.key_map(shapes)
             weights = Weights(shapes.values(), seed=3)
@@ -626,6 +703,10 @@ def main(argv=None) -> int:
                 with section("rows 3-4", spent):
                     offloaded, bypass_cost = forward_rows(shapes, key_map, weights, inputs, cfg["repeats"])
                 rows += (offloaded if 3 in which else []) + (bypass_cost if 4 in which else [])
+                gc.collect()
+            if 6 in which:
+                with section("row 6", spent):
+                    rows += compiled_rows(shapes, key_map, weights, inputs, cfg["repeats"])
                 gc.collect()
         if 5 in which:
             with section("row 5", spent):
