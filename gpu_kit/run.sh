@@ -2,7 +2,7 @@
 # The GPU evidence kit: re-runs the reported failures (the seeds), the exactness matrix and the speed comparison of
 # LyCORIS Nodes on this machine's NVIDIA GPU, offline, and writes gpu-report.json and gpu-report.md.
 #
-#   bash run.sh                 the real run (needs CUDA; ~8 minutes on one H100-class GPU)
+#   bash run.sh                 the real run (needs CUDA; ~13 minutes on one H100-class GPU)
 #   bash run.sh --dry-run       the same code on the CPU with tiny shapes and a fake cuda:0 (what CI runs)
 #   bash run.sh --only seeds    one section (seeds, exact, dynamic, speed); repeatable
 #   bash run.sh --out DIR       where the report goes (default: the current directory)

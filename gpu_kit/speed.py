@@ -17,6 +17,7 @@ Times are CUDA-event medians after one warm-up (wall-clock on the CPU of a dry r
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import comfy.lora
@@ -65,12 +66,17 @@ class Timer:
         return out
 
 
-def sdxl_unet(tiny: bool, device) -> torch.nn.Module:
+def sdxl_unet_config(tiny: bool) -> dict:
     config = models.sdxl_config()
     if tiny:
         config = {**config, "model_channels": 32, "context_dim": 64, "adm_in_channels": 64,
                   "transformer_depth": [0, 0, 1, 1, 1, 1], "transformer_depth_middle": 1,
                   "transformer_depth_output": [0, 0, 0, 1, 1, 1, 1, 1, 1], "num_head_channels": 16}
+    return config
+
+
+def sdxl_unet(tiny: bool, device) -> torch.nn.Module:
+    config = sdxl_unet_config(tiny)
     unet = UNetModel(**config, dtype=torch.float16, device=device, operations=comfy.ops.disable_weight_init)
     return _random(unet, comfy.supported_models.SDXL(config))
 
@@ -233,6 +239,114 @@ def forward_rows(base, path: Path, sd: dict, device, timer, repeats: int, tiny: 
     return rows
 
 
+def sdxl_inputs(tiny: bool, device):
+    config = sdxl_unet_config(tiny)
+    side = 16 if tiny else 128  # latent side: 1024 px / 8
+    gen = torch.Generator(device=device).manual_seed(4)
+    x = torch.randn(1, 4, side, side, generator=gen, device=device, dtype=torch.float16)
+    context = torch.randn(1, 77, config["context_dim"], generator=gen, device=device, dtype=torch.float16)
+    y = torch.randn(1, config["adm_in_channels"], generator=gen, device=device, dtype=torch.float16)
+    return x, torch.tensor([500.0], device=device), context, y
+
+
+def model_step(label: str, tiny: bool, device):
+    """module -> one denoising step of it (1024² at full size): the SDXL UNet's or Flux's forward."""
+    if label == "flux":
+        x, t, context, y, guidance = flux_inputs(None, tiny, device)
+        return lambda module: (lambda: module(x, t, context, y=y, guidance=guidance))
+    x, t, context, y = sdxl_inputs(tiny, device)
+    return lambda module: (lambda: module(x, t, context=context, y=y))
+
+
+def compiled_rows(label: str, base, path: Path, sd: dict, device, timer, repeats: int, tiny: bool) -> list[dict]:
+    """torch.compile of the whole model (inductor on a GPU; in a dry run dynamo with the eager backend, which traces
+    and counts the same graphs without generating code): graphs per run and one compiled step, our bypass vs
+    ComfyUI's merged model, after a re-run (ComfyUI ejects and re-injects around every sampling run) and after a
+    strength change (a new clone at 0.5, loaded)."""
+    backend = "inductor" if device.type == "cuda" else "eager"
+    stats, step_of, lfile = torch._dynamo.utils.counters["stats"], model_step(label, tiny, device), load(path)
+    makers = {"ours bypass": lambda s: apply_file(lfile, base, None, s, 0.0, False, None, "bypass")[0],
+              "ComfyUI merged": lambda s: core_patched(base, sd, s)}
+    runs = {}
+    for name, make in makers.items():
+        torch._dynamo.reset()
+        patched = make(1.0)
+        patched.patch_model(device_to=device, lowvram_model_memory=0)
+        with torch.no_grad():  # uncompiled once: the layers learn their input's dtype (a BaseModel's get_dtype tells
+            step_of(base.model.diffusion_model)()  # them at inject; this bare model has none)
+        step = torch.no_grad()(step_of(torch.compile(base.model.diffusion_model, backend=backend)))
+        counts, times = [], {}
+        with torch._dynamo.config.patch(recompile_limit=64):
+            before = stats["unique_graphs"]
+            times["first"] = [timer(step)]
+            counts.append(stats["unique_graphs"] - before)
+            patched.eject_model()
+            patched.inject_model()
+            before = stats["unique_graphs"]
+            times["re-run"] = timer.runs(step, repeats)
+            counts.append(stats["unique_graphs"] - before)
+            restore(patched)
+            patched = make(0.5)
+            patched.patch_model(device_to=device, lowvram_model_memory=0)
+            before = stats["unique_graphs"]
+            times["strength"] = timer.runs(step, repeats)
+            counts.append(stats["unique_graphs"] - before)
+        restore(patched)
+        runs[name] = counts, times
+    torch._dynamo.reset()
+    (ours, ours_t), (core, core_t) = runs["ours bypass"], runs["ComfyUI merged"]
+    note = (f"{backend}; graphs first/re-run/strength: ours {'/'.join(map(str, ours))}, ComfyUI merged "
+            f"{'/'.join(map(str, core))}; first run {ours_t['first'][0]:.2f} s vs {core_t['first'][0]:.2f} s")
+    return [row(f"compiled {label} step after a {run}, bypass vs merged", ours_t[run], core_t[run], note)
+            for run in ("re-run", "strength")]
+
+
+@contextmanager
+def fp16_accumulation():
+    """ComfyUI's `--fast fp16_accumulation`, where this ComfyUI has it: the flag in its args (ComfyUI 0.38's fused
+    fp16 linear path reads it at each call) and torch's fp16-accumulating matmuls (where this torch has them)."""
+    from comfy.cli_args import PerformanceFeature, args
+
+    feature = getattr(PerformanceFeature, "Fp16Accumulation", None)
+    matmul = torch.backends.cuda.matmul
+    had, fast = getattr(matmul, "allow_fp16_accumulation", None), args.fast
+    if feature is not None:
+        args.fast = {*fast, feature}
+    if had is not None:
+        matmul.allow_fp16_accumulation = True
+    try:
+        yield feature is not None
+    finally:
+        args.fast = fast
+        if had is not None:
+            matmul.allow_fp16_accumulation = had
+
+
+def fp16_accumulation_rows(base, path: Path, sd: dict, device, timer, repeats: int, tiny: bool) -> list[dict]:
+    """One SDXL step (fp16) with fp16 accumulation on: our bypass vs ComfyUI's merged model, and whether the bypass
+    changed the output as the merge did (‖bypass − merged‖ / ‖merged − unpatched‖; a bypass whose forward was
+    skipped gives 1)."""
+    step_of, lfile = model_step("sdxl-unet", tiny, device), load(path)
+    outputs, times = {}, {}
+    with fp16_accumulation() as known, torch.no_grad():
+        for name, make in (("unpatched", lambda: base.clone()), ("merged", lambda: core_patched(base, sd, 1.0)),
+                           ("bypass", lambda: apply_file(lfile, base, None, 1.0, 0.0, False, None, "bypass")[0])):
+            patched = make()
+            patched.patch_model(device_to=device, lowvram_model_memory=0)
+            step = step_of(base.model.diffusion_model)
+            outputs[name] = step().float()
+            if name != "unpatched":
+                times[name] = timer.runs(step, repeats)
+            restore(patched)
+    change = float((outputs["merged"] - outputs["unpatched"]).norm())
+    off = float((outputs["bypass"] - outputs["merged"]).norm()) / change if change else float("nan")
+    note = (f"--fast fp16_accumulation {'on' if known else 'unknown to this ComfyUI'}; ‖bypass − merged‖/‖merged − "
+            f"unpatched‖ = {off:.2e} (a skipped bypass: 1)")
+    if not off < 0.3:  # fp16 rounding of W' and of the accumulation: a few 1e-2
+        raise AssertionError(f"under fp16 accumulation the bypass is not applied: {note}")
+    return [row("bypass forward sdxl-unet with fp16 accumulation", times["bypass"], times["merged"], note)]
+
+
 def run(env, clock) -> tuple[list[Case], list[dict]]:
     tiny, device = env.dry_run, env.device
     timer = Timer(device)
@@ -250,11 +364,15 @@ def run(env, clock) -> tuple[list[Case], list[dict]]:
                 sd, count = locon_file(root, path)
                 made = merge_rows(label, base, path, sd, count, device, timer, repeats)
                 made += strength_rows(label, base, path, sd, device, timer, repeats)
+                if not tiny or label == "flux":  # a dry run traces the tiny SDXL UNet for minutes: Flux only
+                    made += compiled_rows(label, base, path, sd, device, timer, repeats, tiny)
                 if label == "flux":
                     made += forward_rows(base, path, sd, device, timer, repeats, tiny)
                     dm = root.diffusion_model
                     for r in made:
                         r["notes"] = f"{r['notes']}; {len(dm.double_blocks)}+{len(dm.single_blocks)} blocks"
+                else:
+                    made += fp16_accumulation_rows(base, path, sd, device, timer, repeats, tiny)
                 rows += made
                 cases.append(Case(f"speed/{label}", "pass", {"rows": len(made)}))
                 del root, base
