@@ -112,12 +112,12 @@ def conds():
     return [[torch.randn(1, 77, 768, generator=gen) * 0.5, {}]], [[torch.zeros(1, 77, 768), {}]]
 
 
-def sample(model, conds):
-    """One euler step through ComfyUI's KSampler (which loads the model with load_models_gpu), in inference mode as
-    ComfyUI runs it (merging into fp8 needs it: ComfyUI's stochastic rounding writes with out=)."""
+def sample(model, conds, steps: int = 1):
+    """Euler steps (one by default) through ComfyUI's KSampler (which loads the model with load_models_gpu), in
+    inference mode as ComfyUI runs it (merging into fp8 needs it: ComfyUI's stochastic rounding writes with out=)."""
     latent = comfy_nodes.EmptyLatentImage().generate(64, 64, 1)[0]
     with torch.inference_mode():
-        out = comfy_nodes.common_ksampler(model, 0, 1, 1.0, "euler", "normal", *conds, latent)[0]["samples"]
+        out = comfy_nodes.common_ksampler(model, 0, steps, 1.0, "euler", "normal", *conds, latent)[0]["samples"]
     assert bool(torch.isfinite(out).all())
     return out
 

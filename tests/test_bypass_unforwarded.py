@@ -33,8 +33,6 @@ from lycoris_nodes.lycoris_core import LycorisError
 from test_bypass_nodes import MID_FF, UKEYS, assert_matches, loader, lokr_dora, no_panel_measurement  # noqa: F401
 from test_nodes import TO_Q, listed_loras, lora, write
 
-import nodes as comfy_nodes  # ComfyUI's nodes.py
-
 sd15 = test_nodes.sd15  # fixtures
 conds, fp8_models = test_bypass_nodes.conds, test_bypass_nodes.fp8_models
 
@@ -63,9 +61,7 @@ def fused():
 
 
 def sample(model, conds):
-    latent = comfy_nodes.EmptyLatentImage().generate(64, 64, 1)[0]
-    with torch.inference_mode():
-        return comfy_nodes.common_ksampler(model, 0, STEPS, 1.0, "euler", "normal", *conds, latent)[0]["samples"]
+    return test_bypass_nodes.sample(model, conds, steps=STEPS)
 
 
 def files(msd) -> dict[str, dict[str, torch.Tensor]]:

@@ -30,7 +30,7 @@ from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
 from node_runner import execute
 from safetensors.torch import load_file
 from test_bypass_nodes import CONV3, assert_matches, no_panel_measurement, sample  # noqa: F401
-from test_nodes import PROJ_IN, TO_Q, lora, write
+from test_nodes import PROJ_IN, TO_Q, listed_loras, lora, write
 
 sd15 = test_nodes.sd15  # fixtures: the tiny SD1.5 from ComfyUI's checkpoint loader, fixed conditioning
 conds = test_bypass_nodes.conds
@@ -88,9 +88,6 @@ def chain(model, name, strength, mode, order, backend, monkeypatch):
 def lycoris_files(sd15, tmp_path_factory):
     """{file id: name} in a loras folder ComfyUI lists: "lora" a LoRA on a Linear, a 1×1 and a 3×3 conv; each of
     ALGORITHMS a lycoris-lora file (test_gguf._make_file, on the model's own float layers as test_everywhere)."""
-    import folder_paths
-    from lycoris_nodes.nodes.glue import cache
-
     folder = tmp_path_factory.mktemp("loras")
     sd = {**lora(TO_Q, 320, 320, seed=1), **lora(PROJ_IN, 320, 320, seed=3, kernel=(1, 1)),
           **lora(CONV3, 320, 320, seed=5, kernel=(3, 3))}
@@ -102,12 +99,9 @@ def lycoris_files(sd15, tmp_path_factory):
         made = test_gguf._make_file(algo, sd15[0], tmp_path_factory.mktemp(algo)).path
         names[algo] = write(folder, f"compile_{algo}.safetensors",
                             {k: v for k, v in load_file(made).items() if k.startswith(kept)})
-    mp.setitem(folder_paths.folder_names_and_paths, "loras", ([str(folder)], folder_paths.supported_pt_extensions))
-    mp.setattr(folder_paths, "filename_list_cache", {})
-    cache.clear()
-    yield names
+    with listed_loras(folder):
+        yield names
     mp.undo()
-    cache.clear()
 
 
 @pytest.fixture(scope="module")
