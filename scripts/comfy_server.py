@@ -30,6 +30,14 @@ PACK_DIR_NAME = "lycoris_nodes"
 BASE_SUBDIRS = ("models/checkpoints", "models/loras", "custom_nodes", "input", "output", "temp", "user")
 
 
+def stretched(seconds: float) -> float:
+    """A deadline of `seconds` on a quiet machine, stretched by how busy this one is now: by twice the 1-minute load
+    average per core, 1 to 8 times (tests/browser/common.mjs within() does the same in the browser scripts). The
+    deadlines here end a hung server or prompt; a slow machine must not turn a slow pass into a failure (issue #38)."""
+    load = os.getloadavg()[0] / max(1, os.cpu_count() or 1) if hasattr(os, "getloadavg") else 0.0
+    return seconds * min(8.0, max(1.0, 2 * load))
+
+
 class ComfyError(RuntimeError):
     """The server refused a prompt or its execution failed."""
 
@@ -109,7 +117,7 @@ class ComfyClient:
         req = urllib.request.Request(self.url + path.lstrip("/"), data=body)
         if body is not None:
             req.add_header("Content-Type", "application/json")
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=stretched(timeout)) as resp:
             return resp.read()
 
     def get_json(self, path: str):
@@ -129,7 +137,9 @@ class ComfyClient:
         return reply["prompt_id"]
 
     def wait(self, prompt_id: str, timeout: float = 120) -> dict:
-        """Poll /history until the prompt finished; returns its history entry, raises if it failed."""
+        """Poll /history until the prompt finished (up to stretched(timeout)); returns its history entry, raises if it
+        failed."""
+        timeout = stretched(timeout)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
@@ -140,7 +150,7 @@ class ComfyClient:
             if status.get("completed"):
                 return entry
             time.sleep(0.1)
-        raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout} s")
+        raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout:.0f} s")
 
     def check_alive(self) -> None:
         """Overridden by ComfyServer: raise if the server process died."""
@@ -237,7 +247,9 @@ class ComfyServer(ComfyClient):
 
 
 def wait_until_ready(server: ComfyClient, timeout: float) -> None:
-    """Until GET /object_info answers; raises with the log tail if the server dies or never answers."""
+    """Until GET /object_info answers (up to stretched(timeout)); raises with the log tail if the server dies or never
+    answers."""
+    timeout = stretched(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         server.check_alive()
@@ -247,7 +259,7 @@ def wait_until_ready(server: ComfyClient, timeout: float) -> None:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             time.sleep(0.25)
     tail = server.log_tail() if hasattr(server, "log_tail") else ""
-    raise TimeoutError(f"ComfyUI did not answer on {server.url} within {timeout} s; log tail:\n{tail}")
+    raise TimeoutError(f"ComfyUI did not answer on {server.url} within {timeout:.0f} s; log tail:\n{tail}")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -20,7 +20,10 @@
 import { readdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 
-import { REPO, check, loadWorkflow, mark, queueAndWait, runBrowserScript, setRenderer, waitFor } from "./common.mjs";
+import {
+    REPO, check, frames, graphLayout, loadWorkflow, mark, queueAndWait, runBrowserScript, setRenderer, settled, waitFor,
+    within,
+} from "./common.mjs";
 
 const NODE_TYPE = "LycorisBlockWeights";
 const TEXT_WIDGET = "block_weights";
@@ -161,7 +164,7 @@ async function checks({ page, result, workflow, original, pageErrors, consoleErr
     check(ran.errors.length === 0, `the panel shows an error: ${ran.errors}`);
     check(ran.tracked === originalText, `the change tracker holds ${JSON.stringify(ran.tracked)} after the run`);
     result.chart_before = ran.chart;
-    await page.waitForTimeout(500); // the node has grown by the panel's chart and sliders
+    await settled(page, "the nodes' layout after the run (the panel's chart and sliders grow the node)", graphLayout);
     const covering = await page.evaluate(nodesOver, ran.nodeId);
     check(covering.length === 0, `after the run the node (grown by its panel) is overlapped by ${JSON.stringify(covering)}: `
         + "the example's layout must leave it room");
@@ -198,12 +201,13 @@ async function checks({ page, result, workflow, original, pageErrors, consoleErr
             canvas.setDirty(true, true);
         }, box.y + box.height - viewport.height / 2);
         // Until the slider stays where it is (the Vue nodes follow the canvas a frame or more later).
-        for (let i = 0; i < 20; i++) {
-            await page.waitForTimeout(200);
+        await settled(page, "the nodes' layout after panning the canvas", graphLayout);
+        const deadline = Date.now() + within(10000);
+        for (let still = 0; still < 3 && Date.now() < deadline;) {
+            await frames(page, 1);
             const now = await dragged.boundingBox();
-            const still = JSON.stringify(now) === JSON.stringify(box);
+            still = JSON.stringify(now) === JSON.stringify(box) ? still + 1 : 0;
             box = now;
-            if (still && i > 0) break;
         }
     }
     check(box && box.width > 20, `the ${DRAG_BLOCK} slider is not visible: ${JSON.stringify(box)}`);

@@ -25,7 +25,10 @@
 
 import { join } from "node:path";
 
-import { REPO, check, closeDialogs, loadWorkflow, mark, runBrowserScript, setRenderer, waitFor } from "./common.mjs";
+import {
+    REPO, check, closeDialogs, frames, graphLayout, loadWorkflow, mark, runBrowserScript, setRenderer, settled, waitFor,
+    within,
+} from "./common.mjs";
 
 const WORKFLOW = join(REPO, "example_workflows", "lycoris_loader.json");
 const LOADER_TYPE = "LycorisLoader";
@@ -150,9 +153,9 @@ function emptyCanvasPoint() {
 async function openLibrary(page, result) {
     const tree = page.locator(".model-lib-tree-explorer");
     if (!(await tree.first().isVisible().catch(() => false))) {
-        await page.locator(LIBRARY_BUTTON).first().click({ timeout: 10000 });
+        await page.locator(LIBRARY_BUTTON).first().click({ timeout: within(10000) });
     }
-    await tree.first().waitFor({ state: "visible", timeout: 15000 });
+    await tree.first().waitFor({ state: "visible", timeout: within(15000) });
     const folder = await treeItem(page, `root/${FOLDER}`, [FOLDER], false);
     const leafKey = `root/${FOLDER}/${LORA}`;
     // The leaf's label is the file's title (its metadata's modelspec.title, once loaded) or its name without the
@@ -164,7 +167,7 @@ async function openLibrary(page, result) {
     const labels = [LORA.replace(/\.[^.]+$/, ""), ...(title ? [title] : [])];
     let leaf = await treeItem(page, leafKey, labels, true, 1000);
     if (!leaf) {
-        await folder.click({ timeout: 5000 }); // the folder's leaves are loaded when it is expanded
+        await folder.click({ timeout: within(5000) }); // the folder's leaves are loaded when it is expanded
         leaf = await treeItem(page, leafKey, labels, true, 15000);
     }
     check(leaf, `the model library shows no ${leafKey} (labels ${JSON.stringify(labels)}) after ${FOLDER} was expanded`);
@@ -174,13 +177,16 @@ async function openLibrary(page, result) {
     return leaf;
 }
 
-/** A tree node by its data-testid (1.49.6, 1.58.1), else (1.32.9) the folder/leaf whose label is one of `labels`. */
+/**
+ * A tree node by its data-testid (1.49.6, 1.58.1), else (1.32.9) the folder/leaf whose label is one of `labels`;
+ * looked for up to within(timeout).
+ */
 async function treeItem(page, key, labels, leaf, timeout = 15000) {
     const byId = page.locator(TREE_NODE(key));
     const byLabel = page
         .locator(`.model-lib-tree-explorer ${leaf ? ".tree-leaf" : ".tree-folder"}`)
         .filter({ has: page.locator(".node-label", { hasText: new RegExp(`^\\s*(${labels.map(escape).join("|")})\\s*$`) }) });
-    const deadline = Date.now() + timeout;
+    const deadline = Date.now() + within(timeout);
     do {
         if (await byId.count()) return byId.first();
         if (await byLabel.count()) return byLabel.first();
@@ -216,9 +222,9 @@ function added(before, after) {
     return after.nodes.filter((n) => !ids.has(n.id));
 }
 
-/** Poll pageState until `want(state)` is true (or timeout); return the last state either way. */
+/** Poll pageState until `want(state)` is true (or within(timeout)); return the last state either way. */
 async function settle(page, want, timeout) {
-    const deadline = Date.now() + timeout;
+    const deadline = Date.now() + within(timeout);
     let state;
     do {
         state = await page.evaluate(pageState, { folder: FOLDER, panelWidget: PANEL_WIDGET });
@@ -237,7 +243,7 @@ async function removeNodes(page, ids) {
         }
         app.canvas.setDirty(true, true);
     }, ids);
-    await page.waitForTimeout(300);
+    await settled(page, "the graph after removing the dropped nodes", graphLayout);
 }
 
 async function setSetting(page, value) {
@@ -256,7 +262,7 @@ async function ontoNode(page, leaf, state) {
     // drag: a node just beside the library is under it. Pan the graph, as a user would, to bring the loader well
     // right of it.
     await page.evaluate(panTo, loader.id);
-    await page.waitForTimeout(400); // the canvas redraws, the Vue nodes follow
+    await settled(page, "the nodes after panning to the loader", graphLayout); // the Vue nodes follow the canvas
     const target = await page.evaluate(nodeBodyPoint, loader.id);
     out.target = target;
     out.before = { [NAME_WIDGET]: loader.widgets[NAME_WIDGET], nodes: state.nodes.length };
@@ -312,7 +318,7 @@ async function everywhereSetting(page) {
         for (const value of [true, false]) {
             const before = frees.length;
             await page.evaluate(([id, v]) => window.comfyAPI.app.app.extensionManager.setting.set(id, v), [EVERYWHERE, value]);
-            const deadline = Date.now() + 5000;
+            const deadline = Date.now() + within(5000);
             while (frees.length === before && Date.now() < deadline) await page.waitForTimeout(50);
             out[`stored_${value}`] = await stored();
             out[`frees_${value}`] = frees.length - before;
@@ -351,7 +357,8 @@ async function checks({ page, result, workflow }) {
     // or the node's badge): closed as a user would, and recorded.
     result.dialogs = await closeDialogs(page, 1500);
     const leaf = await openLibrary(page, result);
-    await page.waitForTimeout(300); // the canvas resizes beside the opened sidebar
+    // The canvas resizes beside the opened sidebar, and the nodes follow.
+    await settled(page, "the canvas beside the opened library", graphLayout);
     const state = await page.evaluate(pageState, { folder: FOLDER, panelWidget: PANEL_WIDGET });
     state.frontend = result.frontend_version;
     result.providers = state.providers;
@@ -363,7 +370,7 @@ async function checks({ page, result, workflow }) {
         result.cases.canvas_default = await ontoCanvas(page, leaf, "canvas_default", CORE_TYPE, CORE_WIDGET);
         mark("canvas_default");
         await setSetting(page, SETTING_OURS);
-        await page.waitForTimeout(200);
+        await frames(page, 2);
         result.cases.canvas_lycoris = await ontoCanvas(page, leaf, "canvas_lycoris", LOADER_TYPE, NAME_WIDGET);
         mark("canvas_lycoris");
         result.cases.everywhere_setting = await everywhereSetting(page);
@@ -371,7 +378,7 @@ async function checks({ page, result, workflow }) {
     } finally {
         await setSetting(page, SETTING_DEFAULT).catch(() => {});
         // Close the library (its button toggles it), so the screenshots show the nodes.
-        await page.locator(LIBRARY_BUTTON).first().click({ timeout: 5000 }).catch(() => {});
+        await page.locator(LIBRARY_BUTTON).first().click({ timeout: within(5000) }).catch(() => {});
         result.setting_after = await page
             .evaluate((id) => window.comfyAPI.app.app.extensionManager.setting.get(id), SETTING)
             .catch((e) => String(e));

@@ -15,7 +15,9 @@
 
 import { join } from "node:path";
 
-import { REPO, RENDERER, check, loadWorkflow, mark, queueAndWait, runBrowserScript, setRenderer, waitFor } from "./common.mjs";
+import {
+    REPO, RENDERER, check, loadWorkflow, mark, queueAndWait, runBrowserScript, setRenderer, settled, waitFor, within,
+} from "./common.mjs";
 
 // Node types that must be registered: all the pack's.
 const NODE_IDS = [
@@ -133,7 +135,7 @@ async function checks({ page, result, workflow, original, pageErrors, consoleErr
     await queueAndWait(page, LOADER_TYPE);
     mark("run_finished");
 
-    const after = await waitFor(
+    await waitFor(
         page,
         `the coverage line ("${EXPECT_COVERAGE}") and the chart`,
         ([type, cov]) => {
@@ -141,8 +143,9 @@ async function checks({ page, result, workflow, original, pageErrors, consoleErr
             return s.ok && s.coverage.join(" ").includes(cov) && s.bars.length > 0 ? s : { ...s, ok: false };
         },
         [LOADER_TYPE, EXPECT_COVERAGE],
-        15000,
     );
+    // The report grows the node over the next frames: its layout is checked once the panel stops changing.
+    const after = await settled(page, "the panel after the run", (type) => window.__lycorisPanelState(type), LOADER_TYPE);
     check(after.inDocument, "the panel element is not in the page");
     const { rect } = after;
     check(rect.width > 50 && rect.height > 30, `the panel is not visible: ${JSON.stringify(rect)}`);
@@ -162,7 +165,7 @@ async function checks({ page, result, workflow, original, pageErrors, consoleErr
     // Click the first trigger chip like a user: it must not throw, must say "copied", and fill the clipboard.
     const errorsBeforeClick = pageErrors.length;
     const chip = page.locator(`.lycoris-panel[data-node-id="${after.nodeId}"] .lycoris-trigger`).first();
-    await chip.click({ timeout: 5000 });
+    await chip.click({ timeout: within(5000) });
     const copied = await waitFor(
         page,
         'the "copied" note after clicking a trigger word',

@@ -17,12 +17,12 @@ import { mkdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 
 import {
-    CheckError, REPO, check, loadWorkflow, mark, queueAndWait, reopenUI, runBrowserScript, setRenderer, waitFor,
+    REPO, check, graphLayout, loadWorkflow, mark, queueAndWait, reopenUI, runBrowserScript, setRenderer, settled, waitFor,
 } from "./common.mjs";
 
 const WORKFLOWS = JSON.parse(readFileSync(process.env.WORKFLOWS, "utf8"));
 const SHOTS = process.env.SHOTS;
-const SETTLE_MS = 600; // the rectangles must stay the same this long to count as final
+const SETTLE_MS = 600; // the rectangles must stay the same this long (and over 3 rendered frames) to count as final
 // After this example's run the page is reloaded: its panels must show the run's report again without a new run.
 const RELOAD_AFTER = process.env.RELOAD_AFTER || "lycoris_loader";
 
@@ -90,24 +90,11 @@ async function fitView(page, settle = false) {
         ds.offset[1] = pad / ds.scale - y0;
         app.canvas.setDirty(true, true);
     });
-    if (settle) await page.waitForTimeout(400); // DOM widgets and Vue nodes follow the canvas on the next frames
+    if (settle) await settled(page, "the nodes after fitting the view", graphLayout); // the Vue nodes follow it
 }
 
-/** Poll nodeRects until it is the same for SETTLE_MS (panels fill and nodes grow over a few frames after a run). */
-async function settledRects(page) {
-    let last = null;
-    let since = Date.now();
-    const deadline = Date.now() + 20000;
-    while (Date.now() < deadline) {
-        const now = await page.evaluate(nodeRects);
-        const same = last && JSON.stringify(now.rects) === JSON.stringify(last.rects);
-        if (!same) since = Date.now();
-        else if (Date.now() - since >= SETTLE_MS) return now;
-        last = now;
-        await page.waitForTimeout(150);
-    }
-    throw new CheckError("the nodes kept changing size for 20 s after the run");
-}
+/** nodeRects once it is the same for SETTLE_MS (panels fill and nodes grow over a few frames after a run). */
+const settledRects = (page) => settled(page, "the nodes' rectangles", nodeRects, null, { quietMs: SETTLE_MS, timeout: 20000 });
 
 /** Reload the page (the frontend restores the open workflow): each panel shows the report it showed after the run. */
 async function reloadKeepsReports(page) {
