@@ -15,7 +15,7 @@ export COMFY
 PY := $(VENV)/bin/python
 PYTEST_FLAGS ?=
 
-.PHONY: setup test demo lint bench gpu-kit
+.PHONY: setup test test-browser-under-load demo lint bench gpu-kit
 
 setup:
 	bash scripts/setup.sh
@@ -33,6 +33,11 @@ test: setup
 	$(PY) -m pytest tests -m e2e $(PYTEST_FLAGS) $(PASS_STATUS); \
 	if [ $$empty = 2 ]; then status=5; fi; \
 	exit $$status
+
+# Issue #38: the browser tests beside one busy process per core, RUNS times in a row (default 3); not part of `test`.
+RUNS ?= 3
+test-browser-under-load: setup
+	$(PY) scripts/under_load.py --runs $(RUNS) $(if $(PYTEST_FLAGS),-- $(PYTEST_FLAGS),)
 
 # `make demo ONCE=1` stops the server after the workflow ran.
 demo: setup
