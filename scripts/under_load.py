@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,21 +36,31 @@ def stop(processes: list[subprocess.Popen]) -> None:
         proc.wait()
 
 
-def run_pytest(pytest_args: list[str]) -> int:
-    """pytest on the e2e tests, in a process group of its own: when this script is stopped, the group gets SIGINT (as
-    from Ctrl-C: pytest stops its servers, node and Chromium end), then SIGKILL if it is still there 30 s later."""
+def end_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to pytest's process group (pytest, its ComfyUI servers, node and Chromium), SIGKILL 30 s later to
+    whatever is left. Not SIGINT: a process started in the background by a non-interactive shell ignores it."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pass  # pytest itself did not end on TERM: the KILL below ends it
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the whole group had already ended on TERM
+    proc.wait()
+
+
+def run_pytest(pytest_args: list[str], stopping: threading.Event) -> int | None:
+    """pytest on the e2e tests in a process group of its own; its exit status, or None when `stopping` was set
+    first (then the group is ended)."""
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-m", "e2e", "-p", "no:cacheprovider", *pytest_args],
                             cwd=REPO_ROOT, start_new_session=True)
-    try:
-        return proc.wait()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    while proc.poll() is None:
+        if stopping.wait(0.5):
+            end_group(proc)
+            return None
+    return proc.returncode
 
 
 def load() -> str:
@@ -63,21 +74,33 @@ def main(argv: list[str]) -> int:
     parser.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments (e.g. -k tour)")
     args = parser.parse_args(argv)
     pytest_args = [*BROWSER_TESTS, *args.pytest_args]
-    # A TERM (a CI step's timeout, `kill`) ends this like Ctrl-C does, so the finally below stops the busy processes.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # A TERM (a CI step's timeout, `kill`) or Ctrl-C only sets this flag, which the wait loop reads: raising from the
+    # handler could land inside Popen, leaving a pytest started that nothing ends. SIGINT stays ignored when it is
+    # (started with `&` by a script, as Ctrl-C is meant not to reach it).
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, lambda *_: stopping.set())
     busy = start_busy(args.busy)
     print(f"under_load: {args.busy} busy processes; load average {load()}", flush=True)
     try:
         for run in range(1, args.runs + 1):
+            if stopping.is_set():
+                break
             start = time.monotonic()
-            status = run_pytest(pytest_args)
+            status = run_pytest(pytest_args, stopping)
             seconds = time.monotonic() - start
+            if status is None:
+                break
             print(f"under_load: run {run}/{args.runs} exited {status} in {seconds:.0f} s; load average {load()}",
                   flush=True)
             if status != 0:
                 return status
     finally:
         stop(busy)
+    if stopping.is_set():
+        print("under_load: stopped by a signal", flush=True)
+        return 128 + signal.SIGTERM
     print(f"under_load: {args.runs} of {args.runs} runs passed beside {args.busy} busy processes", flush=True)
     return 0
 
