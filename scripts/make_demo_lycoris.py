@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import zlib
@@ -221,7 +222,8 @@ def _write(spec: DemoSpec, path: str | Path, checkpoint: str | Path, force: bool
         return path
     nets = _networks(spec, Path(checkpoint))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.safetensors")  # save_weights picks the format by extension
+    # A name of this process's own (test workers write the cache at once); save_weights picks the format by extension.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.safetensors")
     _save(nets, tmp, {**spec.metadata, VERSION_KEY: _version(spec)})
     tmp.replace(path)
     return path

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 import zlib
@@ -127,7 +128,7 @@ def write_tiny_sd15(path: str | Path, force: bool = False) -> Path:
         "modelspec.title": "tiny random SD1.5 (LyCORIS Nodes test fixture)",
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # its own: test workers write the cache at once
     save_file(tensors, str(tmp), metadata=metadata)
     tmp.replace(path)  # atomic: a half-written file never carries the version tag
     return path
