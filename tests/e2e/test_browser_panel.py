@@ -50,7 +50,7 @@ ARTIFACTS = REPO_ROOT / "artifacts"
 # hung script, so it is generous and stretched by the load too (comfy_server.stretched, issue #38).
 RUN_TIMEOUT = 600
 TEMPLATES_DIALOG = "global-workflow-template-selector"  # aria-labelledby of the frontend's templates dialog
-_runs_per_server: dict[str, int] = {}  # browser runs so far on each panel_server, by its URL
+_runs_per_server: dict[Path, int] = {}  # browser runs so far on each server, by its base folder
 
 
 def missing_browser_pieces() -> list[str]:
@@ -92,8 +92,9 @@ def panel_server(request, tmp_path_factory, browser_ready):
 def run_browser_script(script: Path, server, renderer: str, screenshot: Path, **env_extra: str) -> dict:
     """Run one of the tests/browser scripts against the server; fail with its error, stderr and the server log."""
     ARTIFACTS.mkdir(exist_ok=True)
-    first_on_server = server.url not in _runs_per_server
-    _runs_per_server[server.url] = _runs_per_server.get(server.url, 0) + 1
+    # By base folder, not URL: a server started after another has stopped can get its port.
+    first_on_server = server.base_dir not in _runs_per_server
+    _runs_per_server[server.base_dir] = _runs_per_server.get(server.base_dir, 0) + 1
     env = {**os.environ, "COMFY_URL": server.url, "SCREENSHOT": str(screenshot), "RENDERER": renderer, **env_extra}
     start = time.monotonic()
     deadline = stretched(RUN_TIMEOUT)
