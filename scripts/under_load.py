@@ -12,6 +12,7 @@ that fails and exits with pytest's status; each run's time and the load average 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -37,18 +38,14 @@ def stop(processes: list[subprocess.Popen]) -> None:
 
 
 def end_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to pytest's process group (pytest, its ComfyUI servers, node and Chromium), SIGKILL 30 s later to
-    whatever is left. Not SIGINT: a process started in the background by a non-interactive shell ignores it."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        pass  # pytest itself did not end on TERM: the KILL below ends it
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # the whole group had already ended on TERM
-    proc.wait()
+    """SIGTERM to pytest's process group (pytest, its ComfyUI servers, node and Chromium), then SIGKILL to whatever is
+    left once pytest has ended or 30 s have passed. Not SIGINT: a process started in the background by a
+    non-interactive shell ignores it."""
+    for signum, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):  # the whole group has ended (maybe on its own since the poll)
+            os.killpg(proc.pid, signum)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # pytest ignored the TERM: the KILL comes next
+            proc.wait(grace)
 
 
 def run_pytest(pytest_args: list[str], stopping: threading.Event) -> int | None:
