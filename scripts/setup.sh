@@ -220,9 +220,9 @@ elif [[ -z "${COMFYUI_PATH:-}" ]]; then
 else
     log "using COMFYUI_PATH=$COMFY_DIR"
 fi
-# Byte-compile the ComfyUI we unpacked (never a user's own checkout): with PYTHONDONTWRITEBYTECODE set, as on this
-# project's machines, every server, CLI run and test worker would otherwise compile the hundreds of files it imports again
-# (about 1 s of CPU each time, dozens of times per `make test`). Files already compiled are skipped.
+# Byte-compile the ComfyUI we unpacked (never a user's own checkout): with PYTHONDONTWRITEBYTECODE set, as on
+# this project's machines, every server, CLI run and test worker would otherwise compile the hundreds of files it
+# imports again (about 1 s of CPU each time, dozens of times per `make test`). Files already compiled are skipped.
 if [[ "$COMFY_DIR" == "$DEPS"/* ]]; then
     "$PY" -m compileall -q -j 0 "$COMFY_DIR" || log "WARNING: some ComfyUI files did not byte-compile (above)"
 fi

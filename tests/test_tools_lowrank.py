@@ -81,6 +81,20 @@ def test_factored_spectrum_is_the_dense_one_without_forming_it():
     assert spec.error(12) < 1e-3
 
 
+# wide (decomposed through its transpose), tall, square, and a convolution (wide once flattened)
+@pytest.mark.parametrize("shape", [(40, 90), (90, 40), (50, 50), (8, 3, 3, 3)])
+def test_the_dense_spectrum_is_the_change_s_own_whichever_side_is_longer(shape):
+    gen = torch.Generator().manual_seed(3)
+    change = torch.randn(*shape, generator=gen)
+    flat = change.reshape(shape[0], -1)
+    spec = spectrum(change)
+    k = min(flat.shape)
+    assert spec.u.shape == (flat.shape[0], k) and spec.vh.shape == (k, flat.shape[1])
+    assert torch.allclose(spec.s.double(), torch.linalg.svdvals(flat.double()), rtol=1e-4)
+    assert torch.allclose(spec.u @ torch.diag(spec.s) @ spec.vh, flat, atol=1e-4)
+    assert torch.allclose(spec.u.T @ spec.u, torch.eye(k), atol=1e-4)
+
+
 def test_concatenated_factors_are_the_sum():
     gen = torch.Generator().manual_seed(3)
     a = Factors(torch.randn(30, 4, generator=gen), torch.randn(4, 20, generator=gen))
