@@ -220,9 +220,20 @@ elif [[ -z "${COMFYUI_PATH:-}" ]]; then
 else
     log "using COMFYUI_PATH=$COMFY_DIR"
 fi
-# Byte-compile the ComfyUI we unpacked (never a user's own checkout): with PYTHONDONTWRITEBYTECODE set, as on
-# this project's machines, every server, CLI run and test worker would otherwise compile the hundreds of files it
-# imports again (about 1 s of CPU each time, dozens of times per `make test`). Files already compiled are skipped.
+# Bytecode. pip compiles every file it installs, one at a time: ~70 s of each install, mostly for modules nothing
+# here imports (transformers' hundreds of models, torch's tests). It installs with --no-compile instead, and this venv
+# caches the bytecode of what is imported, at its first import, under .deps/pycache (sys.pycache_prefix), for every
+# process the venv runs: tests, servers, CLI runs. A .pth file sets that up when the interpreter starts. It also
+# writes when PYTHONDONTWRITEBYTECODE is set, as on this project's machines (where nothing would be cached otherwise:
+# importing torch, transformers, peft and diffusers takes 24 s from source against 10 s from bytecode), because the
+# cache is not beside any source file; a PYTHONPYCACHEPREFIX of the user's own wins. Nothing is ever written into
+# a user's own COMFYUI_PATH checkout.
+PYCACHE="$DEPS/pycache"
+SITE_PACKAGES="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+printf 'import sys; sys.pycache_prefix = sys.pycache_prefix or %s; sys.dont_write_bytecode = False\n' \
+    "$("$PY" -c 'import sys; print(repr(sys.argv[1]))' "$PYCACHE")" > "$SITE_PACKAGES/lycoris_nodes_pycache.pth"
+# The ComfyUI we unpacked, compiled once in parallel (servers and test workers start together and would each compile
+# it on their own).
 if [[ "$COMFY_DIR" == "$DEPS"/* ]]; then
     "$PY" -m compileall -q -j 0 "$COMFY_DIR" || log "WARNING: some ComfyUI files did not byte-compile (above)"
 fi
@@ -239,19 +250,19 @@ fi
 log "pip install ${TORCH_PINS[*]} + ComfyUI requirements + requests + requirements-dev.txt"
 start=$SECONDS
 # requests: server.py imports it and transformers 5.x no longer pulls it in.
-pip_ install -q --progress-bar off -c "$DEPS/constraints.txt" \
+pip_ install -q --progress-bar off --no-compile -c "$DEPS/constraints.txt" \
     "${TORCH_PINS[@]}" -r "$DEPS/comfyui-requirements.txt" requests -r "$ROOT/requirements-dev.txt"
 if [[ "$COMFY" == 0.33 ]]; then
     # comfy.sd imports torchaudio; the registry's newest (pure Python) must not replace our torch.
-    pip_ install -q --progress-bar off --no-deps torchaudio==2.11.0
+    pip_ install -q --progress-bar off --no-compile --no-deps torchaudio==2.11.0
 fi
 # DiffSynth-Studio's Flux name converter (scripts/derive_diffusers_names.py, tests/test_diffusers_names.py) is one
 # file that needs only torch; the package's own dependencies (modelscope, training tools) are not installed.
-pip_ install -q --progress-bar off --no-deps diffsynth==2.1.12
+pip_ install -q --progress-bar off --no-compile --no-deps diffsynth==2.1.12
 if [[ "$COMFY" == 0.33 && ! -f "$DEPS/frontend-$LATEST_FRONTEND/comfyui_frontend_package/static/index.html" ]]; then
     # Its own folder (--target), not the venv: the venv keeps the frontend 0.33 asks for.
     rm -rf "$DEPS/frontend-$LATEST_FRONTEND"
-    pip_ install -q --progress-bar off --no-deps --target "$DEPS/frontend-$LATEST_FRONTEND" \
+    pip_ install -q --progress-bar off --no-compile --no-deps --target "$DEPS/frontend-$LATEST_FRONTEND" \
         "comfyui-frontend-package==$LATEST_FRONTEND"
 fi
 log "pip done in $((SECONDS - start)) s"

@@ -224,6 +224,8 @@ def test_the_kit_builds_under_its_size_limit_and_its_dry_run_passes(tmp_path):
     # (all of them already satisfied here: the lock is what this venv has, test_the_lock_is_what_the_suite_runs).
     env = {**os.environ, "PYTHON": sys.executable, "KIT_WORK": str(tmp_path / "work")}
     env.pop("KIT_NO_INSTALL", None)
+    if sys.pycache_prefix:  # the bytecode this venv cached (scripts/setup.sh): the kit's venv reads it too
+        env["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix
     proc = subprocess.run(["bash", str(kit / "run.sh"), "--dry-run", "--out", str(out)], env=env, timeout=900,
                           check=False,
                           capture_output=True, text=True)
