@@ -152,6 +152,10 @@ class ComfyClient:
             time.sleep(0.1)
         raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout:.0f} s")
 
+    def clear_history(self) -> None:
+        """POST /history {"clear": true}: the queue's history emptied, as on a server just started."""
+        self._request("history", {"clear": True})
+
     def check_alive(self) -> None:
         """Overridden by ComfyServer: raise if the server process died."""
 

@@ -5,6 +5,7 @@ The constants and make_base_dir stay in test_server_demo.py, where test_browser_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -46,15 +47,29 @@ def server(tmp_path_factory, model_files):
         yield srv
 
 
-@pytest.fixture(scope="session", params=FRONTENDS)
-def browser_server(request, tmp_path_factory, model_files):
+@pytest.fixture(scope="session")
+def newer_frontend_servers(tmp_path_factory, model_files):
+    """A server for each frontend other than the bundled one, started at its first test and kept for the session (a
+    parametrized session fixture would be stopped and started again whenever the tests' order alternates between
+    frontends, as the tours' own parametrization makes it)."""
+    servers = {}
+
+    def server_for(frontend: str) -> ComfyServer:
+        if frontend not in servers:
+            base = make_base_dir(tmp_path_factory.mktemp(f"comfy-frontend-{frontend}"), model_files)
+            servers[frontend] = stack.enter_context(ComfyServer(base, extra_args=frontend_args(frontend)))
+        return servers[frontend]
+
+    with contextlib.ExitStack() as stack:
+        yield server_for
+
+
+@pytest.fixture(params=FRONTENDS)
+def browser_server(request, newer_frontend_servers):
     """The session's server for the bundled frontend; for another frontend, a server of its own serving it."""
     if request.param == BUNDLED:
-        yield request.getfixturevalue("server")
-        return
-    base = make_base_dir(tmp_path_factory.mktemp(f"comfy-frontend-{request.param}"), model_files)
-    with ComfyServer(base, extra_args=frontend_args(request.param)) as srv:
-        yield srv
+        return request.getfixturevalue("server")
+    return newer_frontend_servers(request.param)
 
 
 @pytest.fixture(scope="session")

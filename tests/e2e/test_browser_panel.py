@@ -89,6 +89,15 @@ def panel_server(request, tmp_path_factory, browser_ready):
         yield srv
 
 
+def as_new_user(server) -> None:
+    """The server as a new user first meets it: the default user's settings gone (so the frontend greets a new user
+    with its first-run templates dialog, which the next run_browser_script expects) and the queue's history empty.
+    The frontend keeps nothing else of a user on the server; each script's browser profile is fresh."""
+    (server.base_dir / "user" / "default" / "comfy.settings.json").unlink(missing_ok=True)
+    server.clear_history()
+    _runs_per_server.pop(server.base_dir, None)
+
+
 def run_browser_script(script: Path, server, renderer: str, screenshot: Path, **env_extra: str) -> dict:
     """Run one of the tests/browser scripts against the server; fail with its error, stderr and the server log."""
     ARTIFACTS.mkdir(exist_ok=True)

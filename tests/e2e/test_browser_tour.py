@@ -7,10 +7,13 @@ panel is right fresh, after a run, and after the page is reopened and the same p
 loader from its cache and sends no report: the panel must still show the run's), no request for the pack's files
 answers 404, and nothing of the pack's is left on window or in document.head/body.
 
-Each tour has a server of its own with a fresh user folder, as a new user has (and with its output cache, unlike
-test_browser_panel's). That is the tour's subject, and it keeps the tour independent of what ran before: frontend
-1.49.6 takes 3-7 s longer to open the template browser's category once its user has completed the first-run tutorial
-(setting Comfy.TutorialCompleted), 40 s against 110 s for the tour on a quiet 2-core machine.
+Each tour meets its server as a new user does (test_browser_panel.as_new_user: the user's settings and the queue's
+history cleared, so the frontend greets a new user with its first-run dialog), on the session's server of its
+frontend (conftest.browser_server) with the output cache on, unlike test_browser_panel's. The reset is the tour's
+subject, and it keeps the tour independent of what ran before on that server: frontend 1.49.6 takes 3-7 s longer to
+open the template browser's category once its user has completed the first-run tutorial (setting
+Comfy.TutorialCompleted), 40 s against 110 s for the tour on a quiet 2-core machine. (A server of its own per tour
+cost a server start each, 11-19 s.)
 """
 
 from __future__ import annotations
@@ -24,11 +27,9 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-from comfy_server import ComfyServer
 from example_models import DEMO_FILES, DEMO_SIZE, DEMO_STEPS
-from frontends import BUNDLED, FRONTENDS, frontend_args
-from test_browser_panel import ARTIFACTS, BROWSER_DIR, browser_ready, run_browser_script  # noqa: F401 (fixture)
-from test_server_demo import make_base_dir
+from frontends import BUNDLED, FRONTENDS
+from test_browser_panel import ARTIFACTS, BROWSER_DIR, as_new_user, browser_ready, run_browser_script  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 
@@ -44,18 +45,10 @@ TOURS = [(frontend, renderer) for frontend in FRONTENDS for renderer in ("classi
          if frontend == BUNDLED or renderer == "classic"]
 
 
-@pytest.fixture
-def new_user_server(request, tmp_path_factory, model_files):
-    """A server of the tour's own on the frontend of its parameter: a fresh user folder, so the frontend greets a new
-    user (the first-run templates dialog, which run_browser_script checks is found and closed)."""
-    base = make_base_dir(tmp_path_factory.mktemp("comfy-tour"), model_files)
-    with ComfyServer(base, extra_args=frontend_args(request.param)) as srv:
-        yield srv
-
-
-@pytest.mark.parametrize(("new_user_server", "renderer"), TOURS, indirect=["new_user_server"])
-def test_browser_tour(new_user_server, browser_ready, renderer):  # noqa: F811 (fixture)
-    server = new_user_server
+@pytest.mark.parametrize(("browser_server", "renderer"), TOURS, indirect=["browser_server"])
+def test_browser_tour(browser_server, browser_ready, renderer):  # noqa: F811 (fixture)
+    server = browser_server
+    as_new_user(server)
     demo = {"files": DEMO_FILES, "size": DEMO_SIZE, "steps": DEMO_STEPS}
     result = run_browser_script(
         SCRIPT, server, renderer, ARTIFACTS / f"browser_tour_{renderer}.png",
