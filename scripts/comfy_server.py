@@ -156,6 +156,11 @@ class ComfyClient:
         """POST /history {"clear": true}: the queue's history emptied, as on a server just started."""
         self._request("history", {"clear": True})
 
+    def forget_outputs(self) -> None:
+        """POST /free {"free_memory": true}: ComfyUI's worker drops every cached output (and unloads the models) when
+        it next wakes, at once when it is idle; the next prompt runs every node again."""
+        self._request("free", {"free_memory": True})
+
     def check_alive(self) -> None:
         """Overridden by ComfyServer: raise if the server process died."""
 

@@ -15,7 +15,8 @@
 // "modified" mark go by), then queues again (the server accepts the new text and the chart follows it). Saves a
 // screenshot and a close-up of the node ("<name>-node.png"), prints one JSON line; exit 0 = all checks passed,
 // 1 = a check failed, 2 = bad usage.
-// The server must not have the node's output cached (a fresh server, or --cache-none).
+// The server must not have the node's output cached (a fresh server, --cache-none, or POST /free {"free_memory": true}
+// before the script).
 
 import { readdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";

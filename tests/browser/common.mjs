@@ -339,7 +339,8 @@ export async function queueAndWait(page, cachedType = null, expectCached = false
                     resolve({
                         status: "cached",
                         detail: "the server had the loader's output cached from an earlier run with the same inputs, "
-                            + "so it did not run and sent no report: use a fresh server or start it with --cache-none",
+                            + "so it did not run and sent no report: use a fresh server, start it with --cache-none, "
+                            + "or POST /free {\"free_memory\": true} before the script",
                     });
                 });
             }

@@ -11,7 +11,8 @@
 // report with problems), queues the workflow, waits for it to finish, checks the coverage line, the chart and the
 // trigger chips (a click copies), saves a screenshot (and a close-up of the loader node, "<name>-node.png"), and
 // prints one JSON line. Exit 0 = all checks passed; 1 = a check failed (message on stderr and in the JSON line);
-// 2 = bad usage. The server must not have the loader's output cached (a fresh server, or --cache-none).
+// 2 = bad usage. The server must not have the loader's output cached (a fresh server, --cache-none, or POST /free
+// {"free_memory": true} before the script, as tests/e2e/test_browser_panel.py does).
 
 import { join } from "node:path";
 

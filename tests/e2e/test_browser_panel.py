@@ -28,12 +28,9 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-import make_demo_lycoris
-import make_tiny_sd15
-from comfy_server import ComfyServer, stretched, ui_to_api
+from comfy_server import stretched, ui_to_api
 from example_models import demo_workflow
-from frontends import BUNDLED, FRONTENDS, frontend_args
-from test_server_demo import ASSETS, CHECKPOINT, LYCORIS, LYCORIS_LOHA, make_base_dir
+from frontends import BUNDLED, FRONTENDS
 
 pytestmark = pytest.mark.e2e
 
@@ -75,18 +72,16 @@ def browser_ready() -> None:
         )
 
 
-@pytest.fixture(scope="module")
-def panel_server(request, tmp_path_factory, browser_ready):
-    """A server of its own: a fresh user folder (so the first-run templates dialog opens, as for a new user), and no
-    output cache (--cache-none), so every queued run executes the loader and sends its report again; one per frontend
-    a test asks for (indirect parametrization, frontends.FRONTENDS)."""
-    ckpt = make_tiny_sd15.write_tiny_sd15(ASSETS / CHECKPOINT)  # cached in .deps/test-assets after the first run
-    loras = [make_demo_lycoris.write_demo_lycoris(ASSETS / LYCORIS, ckpt),
-             make_demo_lycoris.write_demo_loha(ASSETS / LYCORIS_LOHA, ckpt)]
-    assets = {"checkpoints": ckpt, "loras": loras}
-    base = make_base_dir(tmp_path_factory.mktemp("comfy-browser"), assets)
-    with ComfyServer(base, extra_args=["--cache-none", *frontend_args(request.param)]) as srv:
-        yield srv
+@pytest.fixture
+def panel_server(request, browser_ready, newer_frontend_servers):
+    """The session's server of the frontend a test asks for (indirect parametrization, frontends.FRONTENDS; the
+    servers of conftest.browser_server), its cached outputs forgotten first, so the script's first run executes the
+    loader and sends its report again. ComfyUI's worker drops them as soon as it wakes, milliseconds after the
+    request; the script queues seconds later, once Chromium and the page are up. (A server of its own with
+    --cache-none did the same for one more server start, 11-15 s, per frontend.)"""
+    server = request.getfixturevalue("server") if request.param == BUNDLED else newer_frontend_servers(request.param)
+    server.forget_outputs()
+    return server
 
 
 def as_new_user(server) -> None:
