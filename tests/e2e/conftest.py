@@ -64,12 +64,17 @@ def newer_frontend_servers(tmp_path_factory, model_files):
         yield server_for
 
 
+@pytest.fixture
+def frontend_server(request, newer_frontend_servers):
+    """The session's server of a frontend of frontends.FRONTENDS: `server` for the bundled one."""
+    return lambda frontend: (request.getfixturevalue("server") if frontend == BUNDLED
+                             else newer_frontend_servers(frontend))
+
+
 @pytest.fixture(params=FRONTENDS)
-def browser_server(request, newer_frontend_servers):
+def browser_server(request, frontend_server):
     """The session's server for the bundled frontend; for another frontend, a server of its own serving it."""
-    if request.param == BUNDLED:
-        return request.getfixturevalue("server")
-    return newer_frontend_servers(request.param)
+    return frontend_server(request.param)
 
 
 @pytest.fixture(scope="session")

@@ -73,13 +73,13 @@ def browser_ready() -> None:
 
 
 @pytest.fixture
-def panel_server(request, browser_ready, newer_frontend_servers):
-    """The session's server of the frontend a test asks for (indirect parametrization, frontends.FRONTENDS; the
-    servers of conftest.browser_server), its cached outputs forgotten first, so the script's first run executes the
+def panel_server(request, browser_ready, frontend_server):
+    """The session's server of the frontend a test asks for (indirect parametrization, frontends.FRONTENDS;
+    conftest.frontend_server), its cached outputs forgotten first, so the script's first run executes the
     loader and sends its report again. ComfyUI's worker drops them as soon as it wakes, milliseconds after the
     request; the script queues seconds later, once Chromium and the page are up. (A server of its own with
     --cache-none did the same for one more server start, 11-15 s, per frontend.)"""
-    server = request.getfixturevalue("server") if request.param == BUNDLED else newer_frontend_servers(request.param)
+    server = frontend_server(request.param)
     server.forget_outputs()
     return server
 

@@ -54,6 +54,7 @@ def test_browser_tour(browser_server, browser_ready, renderer):  # noqa: F811 (f
         SCRIPT, server, renderer, ARTIFACTS / f"browser_tour_{renderer}.png",
         STRENGTH=str(STRENGTH[renderer]), DEMO=json.dumps(demo),
     )
+    assert result["first_run"] is True, "the tour is a new user's: the frontend must have seen one"
     names = sorted(p.stem for p in EXAMPLES.glob("*.json"))
     assert sorted(result["thumbnails"]) == names
     assert sorted(result["examples"]) == names
