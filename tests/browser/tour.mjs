@@ -207,6 +207,34 @@ function hygiene() {
     };
 }
 
+/** Open an example from its card in the template browser and wait for its nodes (exactly its node types) in the
+ * graph. A card's click can be lost (seen on a loaded 2-core machine, and once on a quiet one: the previous example
+ * stayed in the graph for the whole wait): the card is clicked once more before the graph counts as wrong, and the
+ * reason is kept in the warnings. */
+async function openExample(page, category, name) {
+    const expected = JSON.parse(readFileSync(join(EXAMPLES, `${name}.json`), "utf8")).nodes.map((n) => n.type).sort();
+    for (let attempt = 1; ; attempt++) {
+        await openTemplates(page, category);
+        await page.locator(CARD(name)).first().click({ timeout: within(15000) });
+        try {
+            return await waitFor(
+                page,
+                `the ${name} example's nodes in the graph`,
+                (want) => {
+                    const types = window.comfyAPI.app.app.graph.nodes.map((n) => n.type).sort();
+                    return JSON.stringify(types) === JSON.stringify(want) ? true : { ok: false, types };
+                },
+                expected,
+                30000,
+            );
+        } catch (err) {
+            if (attempt >= 2 || !(err instanceof CheckError)) throw err;
+            warnings.push(`${name}: opened from its card a second time: ${err.message}`);
+            await closeDialogs(page);
+        }
+    }
+}
+
 async function checks({ page, result, responses }) {
     // Template problems are collected and failed on at the end, so one run reports all of them and the panel's.
     const problems = [];
@@ -241,31 +269,7 @@ async function checks({ page, result, responses }) {
     // 2. Each example from its card.
     result.examples = {};
     for (const name of names) {
-        const expected = JSON.parse(readFileSync(join(EXAMPLES, `${name}.json`), "utf8")).nodes.map((n) => n.type).sort();
-        // On a loaded 2-core machine a card's click was once lost (the previous example stayed for 20 s): the card is
-        // opened once more before the graph counts as unexpected, and the reason is kept in the warnings.
-        let view;
-        for (let attempt = 1; view === undefined; attempt++) {
-            await openTemplates(page, category);
-            await page.locator(CARD(name)).first().click({ timeout: within(15000) });
-            try {
-                view = await waitFor(
-                    page,
-                    `the ${name} example's nodes in the graph`,
-                    (want) => {
-                        const types = window.comfyAPI.app.app.graph.nodes.map((n) => n.type).sort();
-                        return JSON.stringify(types) === JSON.stringify(want) ? true : { ok: false, types };
-                    },
-                    expected,
-                    30000,
-                );
-            } catch (err) {
-                if (attempt >= 2 || !(err instanceof CheckError)) throw err;
-                warnings.push(`${name}: opened from its card a second time: ${err.message}`);
-                await closeDialogs(page);
-            }
-        }
-        check(view === true, `${name}: unexpected graph`);
+        await openExample(page, category, name);
         // The frontend fits the view and lays out the Vue nodes over the next frames: the nodes' boxes are read
         // once they have stopped moving, and when some are off screen then, again until the view is fitted (a fit
         // can come after a still moment on a busy machine; the check is unchanged: a node still off screen fails).
@@ -281,9 +285,7 @@ async function checks({ page, result, responses }) {
     mark("examples_opened");
 
     // 3. The loader's panel: fresh, after a run, after a cached re-run (the page reopened, the same prompt again).
-    await openTemplates(page, category);
-    await page.locator(CARD(LOADER_EXAMPLE)).first().click({ timeout: within(15000) });
-    await waitFor(page, "the loader example", (t) => window.comfyAPI.app.app.graph.nodes.some((n) => n.type === t), LOADER_TYPE);
+    await openExample(page, category, LOADER_EXAMPLE);
     await settled(page, "the loader example's nodes", graphView);
     await closeDialogs(page);
     result.substituted = await page.evaluate(runOnDemo, DEMO);
