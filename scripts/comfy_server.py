@@ -42,6 +42,10 @@ class ComfyError(RuntimeError):
     """The server refused a prompt or its execution failed."""
 
 
+class PortTaken(ComfyError):
+    """Another ComfyUI answers on the port a server was started on."""
+
+
 def find_comfyui() -> Path:
     if str(REPO_ROOT / "tests") not in sys.path:
         sys.path.insert(0, str(REPO_ROOT / "tests"))
@@ -218,6 +222,19 @@ class ComfyServer(ComfyClient):
         self.stop()
 
     def start(self) -> None:
+        """Start and wait until it answers; on another server's port (check_answering_server), again on a new one."""
+        for attempt in range(1, 4):
+            try:
+                return self._start_once()
+            except ComfyError as err:
+                # Both ways to meet another server on the port: it answers for ours, or ours exits, unable to bind.
+                taken = isinstance(err, PortTaken) or "address already in use" in self.log_text().lower()
+                if not taken or attempt == 3:
+                    raise
+                self.port = free_port()
+                self.log_path = self.base_dir / "user" / f"comfyui_server_{self.port}.log"
+
+    def _start_once(self) -> None:
         prepare_base_dir(self.base_dir)
         cmd = [self.python, "main.py", *server_args(self.port, self.base_dir), *self.extra_args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -255,6 +272,16 @@ class ComfyServer(ComfyClient):
         return "\n".join(self.log_text().splitlines()[-lines:])
 
 
+def check_answering_server(server: ComfyClient) -> None:
+    """The server answering on the port is the one started with this base directory (its /system_stats argv). Two
+    test runs at once (.ci/run runs both ComfyUIs side by side) each pick a free port; should both pick the same,
+    one server fails to bind while the other answers for it, and its tests must not run against the other's."""
+    argv = server.get_json("system_stats").get("system", {}).get("argv", [])
+    if str(server.base_dir) not in argv:
+        raise PortTaken(f"the ComfyUI answering on {server.url} is not the one started for {server.base_dir} "
+                         f"(its arguments: {argv}); log tail:\n{server.log_tail() if hasattr(server, 'log_tail') else ''}")
+
+
 def wait_until_ready(server: ComfyClient, timeout: float) -> None:
     """Until GET /object_info answers (up to stretched(timeout)); raises with the log tail if the server dies or never
     answers."""
@@ -264,9 +291,11 @@ def wait_until_ready(server: ComfyClient, timeout: float) -> None:
         server.check_alive()
         try:
             server.object_info()
-            return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             time.sleep(0.25)
+            continue
+        check_answering_server(server)
+        return
     tail = server.log_tail() if hasattr(server, "log_tail") else ""
     raise TimeoutError(f"ComfyUI did not answer on {server.url} within {timeout:.0f} s; log tail:\n{tail}")
 
