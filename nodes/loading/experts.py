@@ -1,0 +1,112 @@
+"""Wan 2.2 A14B's two experts: which file of a HIGH/LOW pair is which, and where its sibling is (issue #36).
+
+Wan 2.2 A14B samples with a high-noise and a low-noise model, and nearly every LoRA for it ships as two files, one
+per expert, whose names differ only in the expert's word. The spellings, from the files people share:
+
+    high_noise / low_noise      Comfy-Org's repackaged files (wan2.2_i2v_lightx2v_4steps_lora_v1_high_noise),
+                                also high-noise, HighNoise, and the folders high_noise_model/ and low_noise_model/
+    HIGH / LOW                  lightx2v's (..._HIGH_fp16 / ..._LOW_fp16), Kijai's (-HIGH- / -LOW-), as a word
+                                between separators (_ - . space /), in any case
+    HN / LN                     as a word between separators, in any case
+
+A name matches the first rule it holds; its sibling is the same name with the other expert's word in the same case
+style. When no file has exactly that name, a file in the same folder whose name differs from it only in its numbers
+counts (pairs whose file names carry each expert's own strength or step count), if there is exactly one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+HIGH, LOW = "high", "low"
+_EDGE_BEFORE = r"(?:^|(?<=[_\-. /\\]))"
+_EDGE_AFTER = r"(?=$|[_\-. /\\])"
+
+
+@dataclass(frozen=True)
+class PairRule:
+    """One spelling: the expert's word (group `word`) inside a pattern that holds it."""
+
+    name: str
+    high: re.Pattern
+    low: re.Pattern
+
+
+def _rule(name: str, high: str, low: str, template: str) -> PairRule:
+    return PairRule(name, *(re.compile(template.format(word=f"(?P<word>{w})"), re.IGNORECASE) for w in (high, low)))
+
+
+# In order: the first rule a name holds decides (a name with high_noise in it is not read by the HIGH word rule).
+RULES: tuple[PairRule, ...] = (
+    _rule("high_noise / low_noise", "high", "low", _EDGE_BEFORE + r"{word}[_\- ]?noise"),
+    _rule("HIGH / LOW", "high", "low", _EDGE_BEFORE + "{word}" + _EDGE_AFTER),
+    _rule("HN / LN", "hn", "ln", _EDGE_BEFORE + "{word}" + _EDGE_AFTER),
+)
+_OTHER_WORD = {"high": "low", "low": "high", "hn": "ln", "ln": "hn"}
+
+
+@dataclass(frozen=True)
+class ExpertPair:
+    """A file of a pair, the expert its name says, and both halves as listed (None: not in the loras folders)."""
+
+    picked: str
+    expert: str  # HIGH or LOW: what the picked file's name says
+    rule: str
+    high: str | None
+    low: str | None
+    sibling_name: str  # the name the sibling would have
+
+    @property
+    def sibling(self) -> str | None:
+        return self.low if self.expert == HIGH else self.high
+
+
+def _same_case(word: str, like: str) -> str:
+    if like.isupper():
+        return word.upper()
+    if like[:1].isupper():
+        return word.capitalize()
+    return word
+
+
+def expert_word(name: str) -> tuple[PairRule, str, re.Match] | None:
+    """The rule a name holds, the expert it names and where: the first rule with exactly one match decides."""
+    for rule in RULES:
+        found = [(HIGH, m) for m in rule.high.finditer(name)] + [(LOW, m) for m in rule.low.finditer(name)]
+        if len(found) == 1:
+            return rule, found[0][0], found[0][1]
+        if found:
+            return None  # both words, or one twice: no pair can be read from this name
+    return None
+
+
+def _numbers_out(name: str) -> str:
+    return re.sub(r"\d+(?:\.\d+)?", "#", name.lower())
+
+
+def _folder(name: str) -> str:
+    return name.replace("\\", "/").rpartition("/")[0]
+
+
+def find_pair(name: str, listed: list[str]) -> ExpertPair | None:
+    """The pair `name` is half of, with its sibling found in `listed` (the loras folders' names); None when the name
+    names no expert."""
+    held = expert_word(name)
+    if held is None:
+        return None
+    rule, expert, match = held
+    word = match.group("word")
+    start, end = match.span("word")
+    sibling_name = name[:start] + _same_case(_OTHER_WORD[word.lower()], word) + name[end:]
+    sibling = sibling_name if sibling_name in listed else None
+    if sibling is None:
+        by_lower = [n for n in listed if n.lower() == sibling_name.lower()]
+        sibling = by_lower[0] if len(by_lower) == 1 else None
+    if sibling is None:
+        other = LOW if expert == HIGH else HIGH
+        loose = [n for n in listed if n != name and _folder(n) == _folder(name)
+                 and _numbers_out(n) == _numbers_out(sibling_name) and (expert_word(n) or (None, None))[1] == other]
+        sibling = loose[0] if len(loose) == 1 else None
+    high, low = (name, sibling) if expert == HIGH else (sibling, name)
+    return ExpertPair(name, expert, rule.name, high, low, sibling_name)
