@@ -11,7 +11,9 @@
 // For each example: load it, queue it, wait for the run and for the nodes to stop growing (the panels and reports
 // are filled by the run), then read every node's rectangle as drawn (the Vue renderer: its element; classic: title
 // bar + body from pos and size) and list each pair that intersects. The result has, per example, the rectangles
-// and the overlaps; the caller asserts none.
+// and the overlaps; the caller asserts none. On the tools' nodes it also reads their report widget (web/
+// lycoris_panel.js, "lycoris_report") once it is on screen before the run and once it shows the run's report: the
+// caller checks the hint before, the report after, and that the widget adds nothing to the saved workflow.
 
 import { mkdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
@@ -25,6 +27,7 @@ const SHOTS = process.env.SHOTS;
 const SETTLE_MS = 600; // the rectangles must stay the same this long (and over 3 rendered frames) to count as final
 // After this example's run the page is reloaded: its panels must show the run's report again without a new run.
 const RELOAD_AFTER = process.env.RELOAD_AFTER || "lycoris_loader";
+const TOOL_TYPES = ["LycorisSave", "LycorisResize", "LycorisExtract", "LycorisConvert"];
 
 /** The coverage lines and notes of every panel in the graph, by node id. */
 function panelLines() {
@@ -37,6 +40,34 @@ function panelLines() {
     }
     return out;
 }
+
+/** Each tool node's report widget, by node id: its text, whether it is the idle hint, on screen, and the node's
+ * widget values as the frontend saves them. */
+function toolReports(types) {
+    const app = window.comfyAPI.app.app;
+    const saved = app.graph.serialize().nodes;
+    const out = {};
+    for (const node of app.graph.nodes.filter((n) => types.includes(n.type))) {
+        const widget = node.widgets?.find((w) => w.name === "lycoris_report");
+        const text = widget?.element?.querySelector(".lycoris-report-text");
+        const rect = text?.getBoundingClientRect();
+        out[node.id] = {
+            type: node.type,
+            text: text?.textContent ?? null,
+            idle: !!text?.classList.contains("lycoris-idle"),
+            visible: !!rect && rect.width > 0 && rect.height > 0 && text.offsetParent !== null,
+            saved: saved.find((n) => String(n.id) === String(node.id))?.widgets_values,
+        };
+    }
+    return out;
+}
+
+/** toolReports once every tool node's report satisfies `want` ("shown": on screen; "ran": on screen, not idle). */
+const toolReportsWhen = (page, what, want) => waitFor(page, what, ([types, w]) => {
+    const reports = window.__templatesToolReports(types);
+    const ok = Object.values(reports).every((r) => r.visible && (w === "shown" || !r.idle));
+    return ok ? { reports } : { ok: false, reports };
+}, [TOOL_TYPES, want]);
 
 /** Every node's rectangle in screen pixels, as the renderer draws it, and the intersecting pairs. */
 export function nodeRects() {
@@ -114,7 +145,7 @@ await runBrowserScript({
     workflowPath: join(REPO, "example_workflows", "lycoris_loader.json"),
     nodeType: "LycorisLoader",
     closeUp: { scale: 1, top: 120 },
-    initScript: `window.__templatesPanelLines = ${panelLines};`,
+    initScript: `window.__templatesPanelLines = ${panelLines}; window.__templatesToolReports = ${toolReports};`,
     async body({ page, result }) {
         await setRenderer(page);
         mkdirSync(SHOTS, { recursive: true });
@@ -123,15 +154,20 @@ await runBrowserScript({
             await loadWorkflow(page, workflow);
             await waitFor(page, `${name} to load`, (n) => window.comfyAPI.app.app.graph.nodes.length === n, workflow.nodes.length);
             await fitView(page);
+            const toolsBefore = await toolReportsWhen(page, `${name}'s tool reports on screen`, "shown");
             const before = await settledRects(page);
             await queueAndWait(page);
             mark(`ran_${name}`);
             await fitView(page);
+            const toolsAfter = await toolReportsWhen(page, `${name}'s tool reports after the run`, "ran");
             const after = await settledRects(page);
             await fitView(page, true); // the grown graph in view for the picture
             await page.mouse.move(5, 995);
             await page.screenshot({ path: join(SHOTS, `${name}.png`) });
-            result.examples[name] = { before: before.overlaps, after: after.overlaps, rects: after.rects };
+            result.examples[name] = {
+                before: before.overlaps, after: after.overlaps, rects: after.rects,
+                tools: { before: toolsBefore.reports, after: toolsAfter.reports },
+            };
             if (name === RELOAD_AFTER) result.reload = await reloadKeepsReports(page);
         }
         const bad = Object.entries(result.examples).filter(([, e]) => e.after.length || e.before.length);
