@@ -274,8 +274,9 @@ class ComfyServer(ComfyClient):
 
 def check_answering_server(server: ComfyClient) -> None:
     """The server answering on the port is the one started with this base directory (its /system_stats argv). Two
-    test runs at once (.ci/run runs both ComfyUIs side by side) each pick a free port; should both pick the same,
-    one server fails to bind while the other answers for it, and its tests must not run against the other's."""
+    test runs at once on one machine (two checkouts, or both ComfyUIs' suites) each pick a free port; should both
+    pick the same, one server fails to bind while the other answers for it, and its tests must not run against the
+    other's."""
     argv = server.get_json("system_stats").get("system", {}).get("argv", [])
     if str(server.base_dir) not in argv:
         raise PortTaken(f"the ComfyUI answering on {server.url} is not the one started for {server.base_dir} "

@@ -1,7 +1,7 @@
-"""Two test runs at once (.ci/run runs both ComfyUIs side by side) each start servers on a free port; should both
-pick the same one, a server must not take the other's for its own (scripts/comfy_server.py check_answering_server,
-ComfyServer.start). A stand-in main.py answers the two routes the start-up reads, as ComfyUI does (/object_info and
-/system_stats with its argv), so no ComfyUI starts here."""
+"""Two test runs at once on one machine (two checkouts, or both ComfyUIs' suites) each start servers on a free
+port; should both pick the same one, a server must not take the other's for its own (scripts/comfy_server.py
+check_answering_server, ComfyServer.start). A stand-in main.py answers the two routes the start-up reads, as ComfyUI
+does (/object_info and /system_stats with its argv), so no ComfyUI starts here."""
 
 from __future__ import annotations
 

@@ -81,6 +81,11 @@ def expert_word(name: str) -> tuple[PairRule, str, re.Match] | None:
     return None
 
 
+def _expert_of(name: str) -> str | None:
+    held = expert_word(name)
+    return None if held is None else held[1]
+
+
 def _numbers_out(name: str) -> str:
     return re.sub(r"\d+(?:\.\d+)?", "#", name.lower())
 
@@ -106,7 +111,7 @@ def find_pair(name: str, listed: list[str]) -> ExpertPair | None:
     if sibling is None:
         other = LOW if expert == HIGH else HIGH
         loose = [n for n in listed if n != name and _folder(n) == _folder(name)
-                 and _numbers_out(n) == _numbers_out(sibling_name) and (expert_word(n) or (None, None))[1] == other]
+                 and _numbers_out(n) == _numbers_out(sibling_name) and _expert_of(n) == other]
         sibling = loose[0] if len(loose) == 1 else None
     high, low = (name, sibling) if expert == HIGH else (sibling, name)
     return ExpertPair(name, expert, rule.name, high, low, sibling_name)

@@ -13,7 +13,8 @@
 // bar + body from pos and size) and list each pair that intersects. The result has, per example, the rectangles
 // and the overlaps; the caller asserts none. On the tools' nodes it also reads their report widget (web/
 // lycoris_panel.js, "lycoris_report") once it is on screen before the run and once it shows the run's report: the
-// caller checks the hint before, the report after, and that the widget adds nothing to the saved workflow.
+// caller checks the hint before, the report after, that the widget adds nothing to the saved workflow, and that
+// the page threw nothing while the tool's example loaded and ran (each example's page errors are kept).
 
 import { mkdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
@@ -146,11 +147,12 @@ await runBrowserScript({
     nodeType: "LycorisLoader",
     closeUp: { scale: 1, top: 120 },
     initScript: `window.__templatesPanelLines = ${panelLines}; window.__templatesToolReports = ${toolReports};`,
-    async body({ page, result }) {
+    async body({ page, result, pageErrors }) {
         await setRenderer(page);
         mkdirSync(SHOTS, { recursive: true });
         result.examples = {};
         for (const [name, workflow] of Object.entries(WORKFLOWS)) {
+            const errorsBefore = pageErrors.length;
             await loadWorkflow(page, workflow);
             await waitFor(page, `${name} to load`, (n) => window.comfyAPI.app.app.graph.nodes.length === n, workflow.nodes.length);
             await fitView(page);
@@ -167,6 +169,7 @@ await runBrowserScript({
             result.examples[name] = {
                 before: before.overlaps, after: after.overlaps, rects: after.rects,
                 tools: { before: toolsBefore.reports, after: toolsAfter.reports },
+                page_errors: pageErrors.slice(errorsBefore),
             };
             if (name === RELOAD_AFTER) result.reload = await reloadKeepsReports(page);
         }

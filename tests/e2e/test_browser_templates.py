@@ -2,7 +2,8 @@
 covers another (panels and reports grow with the run's results), the pack causes no console warning or error and no
 failed request (common.mjs's PACK_WATCH), and after a page reload the loader's panel shows its last run again.
 Each tool's node shows its report widget (web/lycoris_panel.js, "lycoris_report"): the hint before the run, then
-the node's report naming the file it wrote, and the widget adds nothing to the saved workflow.
+the node's report naming the file it wrote; the widget adds nothing to the saved workflow, and the page throws
+nothing while a tool's example loads and runs.
 
 On each frontend of frontends.FRONTENDS (the ComfyUI's own; with 0.33 also the newest, 1.58.1) and both renderers.
 One screenshot per example after its run: artifacts/templates/<frontend version>-<renderer>/<example>.png.
@@ -55,10 +56,14 @@ def browser_examples(tag: str) -> tuple[dict[str, dict], dict[str, dict[str, str
     return out, outputs
 
 
-def check_tool_reports(name: str, workflow: dict, outputs: dict[str, str], reports: dict) -> None:
+def check_tool_reports(name: str, workflow: dict, outputs: dict[str, str], measured: dict) -> None:
     """Each tool node of the example: the hint before the run, its report naming its file after (a line for the file,
-    then one per module), and its saved widget values the example's own (the report widget is not saved)."""
+    then one per module), and its saved widget values the example's own (the report widget is not saved); and no
+    page error while a tool's example loaded and ran."""
+    reports = measured["tools"]
     assert sorted(reports["before"]) == sorted(reports["after"]) == sorted(outputs), (name, reports)
+    if outputs:
+        assert measured["page_errors"] == [], name
     values = {str(node["id"]): node["widgets_values"] for node in workflow["nodes"]}
     for node_id, output in outputs.items():
         before, after = reports["before"][node_id], reports["after"][node_id]
@@ -84,7 +89,7 @@ def test_examples_run_without_covering_nodes(browser_server, browser_ready, tmp_
     for name, measured in result["examples"].items():
         assert measured["before"] == [] and measured["after"] == [], (name, measured)
         assert len(measured["rects"]) == len(examples[name]["nodes"]), name
-        check_tool_reports(name, examples[name], outputs[name], measured["tools"])
+        check_tool_reports(name, examples[name], outputs[name], measured)
     assert sum(len(o) for o in outputs.values()) == len(TOOLS)  # every tool's example, each with one tool node
     assert result["pack_issues"] == []
     assert sorted(p.stem for p in keep.glob("*.png")) == sorted(examples)
