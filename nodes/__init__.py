@@ -1,6 +1,7 @@
 """The ComfyUI side of the pack. Node classes by family on top, the glue below them, lycoris_core at the bottom:
 
-    loading/      LyCORIS Loader (+ Model Only), Block Weights, Block Info, block-weight presets
+    loading/      LyCORIS Loader (+ Model Only), Rows and Wan 2.2 Experts, Block Weights, Block Info, block-weight
+                  presets
     inspection/   LyCORIS Info
     scheduling/   LyCORIS Stack, Apply Stack, Hook, Fade
     tools/        Save, Resize, Extract, Convert, and their command line

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from lycoris_nodes.lycoris_core import LycorisError
-from lycoris_nodes.nodes.loading.experts import HIGH, LOW, find_pair
+from lycoris_nodes.nodes.loading.experts import HIGH, LOW, find_pair, metadata_expert
 from lycoris_nodes.nodes.loading.lora_tags import parse_tags
 
 LISTED = [
@@ -104,3 +104,20 @@ def test_a_half_without_its_sibling_says_which_name_it_looked_for():
 def test_two_loose_siblings_are_none_rather_than_a_guess():
     listed = ["m-HIGH-s1.safetensors", "m-LOW-s2.safetensors", "m-LOW-s3.safetensors"]
     assert find_pair("m-HIGH-s1.safetensors", listed).low is None
+
+
+@pytest.mark.parametrize("metadata,expert", [
+    ({"modelspec.timestep_range": "875,1000"}, "high"),  # musubi-tuner --min_timestep 875 --max_timestep 1000
+    ({"modelspec.timestep_range": "0,875"}, "low"),
+    ({"modelspec.timestep_range": "0,1000"}, None),  # a whole-range file: no expert
+    ({"ss_sd_model_name": "wan2.2_i2v_high_noise_14B_fp16.safetensors"}, "high"),
+    ({"ss_output_name": "mylora_low_noise"}, "low"),
+    ({"modelspec.title": "Low Angle Shot"}, None),  # only the high_noise/low_noise spelling counts in metadata
+    ({"ss_sd_model_name": "high_noise_and_low_noise"}, None),
+    ({}, None),
+])
+def test_the_expert_a_file_s_metadata_names(metadata, expert):
+    found = metadata_expert(metadata)
+    assert (found and found.expert) == expert
+    if found:
+        assert found.evidence.split(" = ")[0] in metadata

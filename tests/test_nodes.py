@@ -189,7 +189,8 @@ def test_extension_lists_every_node():
     extension = asyncio.run(lycoris_nodes.comfy_entrypoint())
     listed = asyncio.run(extension.get_node_list())
     assert {c.define_schema().node_id for c in listed} == {
-        "LycorisLoader", "LycorisLoaderModelOnly", "LycorisInfo", "LycorisBlockWeights", "LycorisBlockInfo",
+        "LycorisLoader", "LycorisLoaderModelOnly", "LycorisRows", "LycorisExperts", "LycorisInfo", "LycorisBlockWeights",
+        "LycorisBlockInfo",
         "LycorisStack", "LycorisApplyStack", "LycorisHook", "LycorisFade",
         "LycorisSave", "LycorisResize", "LycorisExtract", "LycorisConvert"}
 

@@ -115,3 +115,47 @@ def find_pair(name: str, listed: list[str]) -> ExpertPair | None:
         sibling = loose[0] if len(loose) == 1 else None
     high, low = (name, sibling) if expert == HIGH else (sibling, name)
     return ExpertPair(name, expert, rule.name, high, low, sibling_name)
+
+
+# Where a file's metadata says which expert it was trained on. musubi-tuner (kohya-ss/musubi-tuner,
+# src/musubi_tuner/hv_train_network.py, NetworkTrainer.train: `ss_sd_model_name` is the --dit file's base name;
+# sai_model_spec.build_metadata writes `modelspec.timestep_range` from --min_timestep/--max_timestep) and kohya-style
+# trainers keep the base model's file name, which for Wan 2.2 A14B holds the expert's word
+# (wan2.2_t2v_high_noise_14B_fp16.safetensors); its output name usually does too. Only the high_noise/low_noise
+# spelling is read there.
+NAME_KEYS = ("ss_sd_model_name", "ss_output_name", "modelspec.title")
+# Wan 2.2 A14B hands over from the high-noise to the low-noise expert at timestep 875 (t2v) or 900 (i2v), of 1000:
+# a range wholly above the earlier one is high-noise training, one wholly below the later one low-noise.
+HIGH_FROM, LOW_UNTIL = 875, 900
+
+
+def _timestep_expert(text: str) -> str | None:
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        return None
+    if low >= HIGH_FROM:
+        return HIGH
+    if high <= LOW_UNTIL:
+        return LOW
+    return None
+
+
+@dataclass(frozen=True)
+class MetadataExpert:
+    expert: str
+    evidence: str  # "<key> = <value>"
+
+
+def metadata_expert(metadata: dict[str, str]) -> MetadataExpert | None:
+    """The expert a file's metadata names (the timestep range first: it is what the training did), or None."""
+    timesteps = metadata.get("modelspec.timestep_range", "")
+    if (expert := _timestep_expert(timesteps)) is not None:
+        return MetadataExpert(expert, f"modelspec.timestep_range = {timesteps}")
+    noise_words = RULES[0]  # only the explicit spelling: a title's "Low" or "HN" may mean anything
+    for key in NAME_KEYS:
+        value = metadata.get(key, "")
+        found = {HIGH: noise_words.high.search(value), LOW: noise_words.low.search(value)}
+        if bool(found[HIGH]) != bool(found[LOW]):
+            return MetadataExpert(HIGH if found[HIGH] else LOW, f"{key} = {value}")
+    return None

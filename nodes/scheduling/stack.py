@@ -1,7 +1,5 @@
-"""Stacks: several files in one node, as the de-facto LORA_STACK type other packs pass around.
+"""Stacks: several files in one node, as the de-facto LORA_STACK type other packs pass around (glue/lora_stack.py).
 
-LORA_STACK is a list of (name, strength_model, strength_clip) tuples (Efficiency, Comfyroll, Lora-Manager). Our rows
-are tuples of the same three items, so those packs read them unchanged; block weights ride along as an attribute.
 Files apply in stack order, which matters for GLoRA (its change depends on the weight as it stands).
 """
 
@@ -24,24 +22,13 @@ from ..glue.inputs import (
     model_input,
     node_key,
 )
+from ..glue.lora_stack import LoraStack, StackRow
 
-LoraStack = io.Custom("LORA_STACK")
 STACK_TOOLTIP = (
     "One file per line: 'name | strength_model | strength_clip | block weights'. Strengths default to 1 (clip to the "
     "model strength); block weights are optional (see LyCORIS Loader (Block Weights)). A line starting with '#' is "
     "off. Files apply top to bottom."
 )
-
-
-class StackRow(tuple):
-    """(name, strength_model, strength_clip), plus our optional block weights text."""
-
-    block_weights: str = ""
-
-    def __new__(cls, name: str, strength_model: float, strength_clip: float, block_weights: str = ""):
-        row = super().__new__(cls, (name, strength_model, strength_clip))
-        row.block_weights = block_weights
-        return row
 
 
 def _float(text: str, default: float, line: str) -> float:
