@@ -24,6 +24,35 @@ SD15_CHECKPOINT = {
     "directory": "checkpoints",
 }
 
+# Wan 2.2 A14B text to video as ComfyUI's own template (comfyui_workflow_templates_media_video,
+# video_wan2_2_14B_t2v.json) names it, with the same download metadata, and its lightx2v 4-step LoRA pair, which the
+# experts example (lycoris_wan22_experts.json) applies from one row. Tens of GB: no test runs that example (see
+# LOAD_ONLY); its node runs on tiny WAN21 models in tests/test_row_loader.py.
+_WAN22 = "https://huggingface.co/Comfy-Org/Wan_2.2_ComfyUI_Repackaged/resolve/main/split_files/"
+WAN22_T2V = {
+    "high": {"name": "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors",
+             "url": _WAN22 + "diffusion_models/wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors",
+             "directory": "diffusion_models"},
+    "low": {"name": "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors",
+            "url": _WAN22 + "diffusion_models/wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors",
+            "directory": "diffusion_models"},
+    "text_encoder": {"name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+                     "url": "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/"
+                     "text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+                     "directory": "text_encoders"},
+    "vae": {"name": "wan_2.1_vae.safetensors", "url": _WAN22 + "vae/wan_2.1_vae.safetensors", "directory": "vae"},
+    "lora_high": {"name": "wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors",
+                  "url": _WAN22 + "loras/wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors",
+                  "directory": "loras"},
+    "lora_low": {"name": "wan2.2_t2v_lightx2v_4steps_lora_v1.1_low_noise.safetensors",
+                 "url": _WAN22 + "loras/wan2.2_t2v_lightx2v_4steps_lora_v1.1_low_noise.safetensors",
+                 "directory": "loras"},
+}
+# Examples the tests open and lay out but cannot run on the tiny models, by reason.
+LOAD_ONLY = {"lycoris_wan22_experts": "Wan 2.2 A14B's models, text encoder and VAE are tens of GB"}
+# The files each example names with their downloads (the workflow's `models` list); SD1.5's for the others.
+STANDARD_MODELS = {"lycoris_wan22_experts": list(WAN22_T2V.values())}
+
 # What the user replaces: no public file is implied, so there is nothing to download. The name says it and a
 # note next to the node says what to pick.
 YOUR_LYCORIS = "your_lycoris_file.safetensors"

@@ -306,3 +306,33 @@ def test_the_experts_node_refuses_what_is_not_two_wan_experts(sd15, experts, wan
         run(LycorisExperts, model_high=high, model_low=sd15[0], rows=rows)
     with pytest.raises(LycorisError, match="the same model"):
         run(LycorisExperts, model_high=high, model_low=high.clone(), rows=rows)
+
+
+def test_the_wan_example_puts_the_lightx2v_pair_on_its_experts():
+    """The Wan 2.2 example (example_workflows/lycoris_wan22_experts.json; too big to run here) as its node reads it
+    with the two lightx2v files in the loras folder: the high_noise file picked, each file on its expert, the
+    placeholder row off; and its high-noise input is the high-noise model."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from example_models import EXAMPLES, WAN22_T2V
+    from lycoris_nodes.nodes.loading.row_loader import Entry, place_on_experts
+    from lycoris_nodes.nodes.loading.rows import parse_rows
+
+    workflow = json.loads((EXAMPLES / "lycoris_wan22_experts.json").read_text(encoding="utf-8"))
+    nodes = {node["id"]: node for node in workflow["nodes"]}
+    (experts_node,) = [node for node in nodes.values() if node["type"] == "LycorisExperts"]
+    links = {link[0]: link for link in workflow["links"]}
+    feeds = {inp["name"]: nodes[links[inp["link"]][1]] for inp in experts_node["inputs"] if inp["link"]}
+    assert feeds["model_high"]["widgets_values"][0] == WAN22_T2V["high"]["name"]
+    assert feeds["model_low"]["widgets_values"][0] == WAN22_T2V["low"]["name"]
+    listed = [WAN22_T2V["lora_high"]["name"], WAN22_T2V["lora_low"]["name"]]
+    rows = parse_rows(experts_node["widgets_values"][0])
+    entries = [Entry("row", i, row.lora, on=row.on) for i, row in enumerate(rows, start=1)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("lycoris_nodes.nodes.glue.lora_files.listed_name", lambda name: name if name in listed else None)
+        for entry, row in zip(entries, rows, strict=True):
+            place_on_experts(entry, row, listed)
+    assert [(p.file, p.expert) for p in entries[0].placements] == [(listed[0], "high"), (listed[1], "low")]
+    assert entries[1].on is False and entries[1].placements == []

@@ -28,7 +28,15 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 import make_thumbnails
 from comfy_server import PACK_DIR_NAME, ui_to_api
-from example_models import DEMO_FILES, SD15_CHECKPOINT, YOUR_LYCORIS, YOUR_SECOND_LYCORIS, demo_workflow
+from example_models import (
+    DEMO_FILES,
+    LOAD_ONLY,
+    SD15_CHECKPOINT,
+    STANDARD_MODELS,
+    YOUR_LYCORIS,
+    YOUR_SECOND_LYCORIS,
+    demo_workflow,
+)
 from test_server_demo import BAD_LOG_LINES, run
 
 pytestmark = pytest.mark.e2e
@@ -39,6 +47,7 @@ EXPECTED = {  # the examples this file checks in detail; any other json is still
     "lycoris_loader.json",
     "lycoris_block_weights.json",
     "lycoris_stack.json",
+    "lycoris_rows.json",
     "lycoris_schedule.json",
     "lycoris_info.json",
     "lycoris_bypass.json",
@@ -173,18 +182,27 @@ def strings(workflow: dict) -> list[str]:
             for v in n.get("widgets_values") or [] if isinstance(v, str)]
 
 
+MODEL_LOADERS = ("CheckpointLoaderSimple", "UNETLoader", "CLIPLoader", "VAELoader")
+
+
 @pytest.mark.parametrize("name", WORKFLOWS)
 def test_example_names_the_standard_checkpoint_with_its_download(name):
-    """The user opens the SD1.5 checkpoint ComfyUI's own templates name, and a missing one comes with its download:
-    the loader node's properties.models entry for the name its widget shows (what the frontends read), with a url
-    they accept and the folder; the workflow's `models` list (read by 1.32.9 too) says the same."""
+    """The user opens the models ComfyUI's own templates name (SD1.5's checkpoint; for the Wan 2.2 example, Wan 2.2's
+    files and the lightx2v LoRA pair), and a missing one comes with its download: each model loader's
+    properties.models entry for the name its widget shows (what the frontends read), with a url they accept and the
+    folder; the workflow's `models` list (read by 1.32.9 too) holds every one of them."""
     workflow = json.loads((EXAMPLES / name).read_text(encoding="utf-8"))
-    (ckpt,) = [n for n in workflow["nodes"] if n["type"] == "CheckpointLoaderSimple"]
-    assert ckpt["widgets_values"] == [SD15_CHECKPOINT["name"]]
-    (entry,) = ckpt["properties"]["models"]
-    assert entry == SD15_CHECKPOINT and workflow["models"] == [SD15_CHECKPOINT]
-    assert entry["url"].startswith(DOWNLOAD_HOSTS) and entry["name"].endswith(DOWNLOAD_SUFFIXES)
-    assert entry["url"].split("?")[0].endswith("/" + entry["name"]) and entry["directory"] == "checkpoints"
+    standard = STANDARD_MODELS.get(Path(name).stem, [SD15_CHECKPOINT])
+    assert workflow["models"] == standard
+    loaders = [n for n in workflow["nodes"] if n["type"] in MODEL_LOADERS]
+    assert loaders
+    for loader in loaders:
+        (entry,) = loader["properties"]["models"]
+        assert entry in standard and loader["widgets_values"][0] == entry["name"], loader["id"]
+    for entry in standard:
+        assert entry["url"].startswith(DOWNLOAD_HOSTS) and entry["name"].endswith(DOWNLOAD_SUFFIXES)
+        assert entry["url"].split("?")[0].endswith("/" + entry["name"]), entry
+        assert entry["directory"] in ("checkpoints", "diffusion_models", "text_encoders", "vae", "loras"), entry
     # No file only the tests have: the demo names appear nowhere a user would see them.
     for value in strings(workflow) + [n["widgets_values"][0] for n in workflow["nodes"] if n["type"] == "MarkdownNote"]:
         assert not any(demo in value for demo in DEMO_FILES.values()), value
@@ -245,7 +263,12 @@ def test_every_example_has_a_thumbnail(server):
         assert image.format == "JPEG" and image.width >= 256 and image.height >= 128, (stem, image.size)
 
 
-@pytest.mark.parametrize("name", WORKFLOWS)
+# Every example runs here except those the tiny models cannot stand in for (example_models.LOAD_ONLY: the browser
+# tests open and lay them out; their nodes run in unit tests).
+RUNNABLE = [name for name in WORKFLOWS if Path(name).stem not in LOAD_ONLY]
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
 def test_example_runs(example, name):
     ran = example(name)
     if ran.written is not None:
@@ -320,6 +343,38 @@ def test_stack_example_equals_chained_loaders(server, example):
 
     (lines,) = [out["text"] for key, out in ran.entry["outputs"].items() if key == apply_id]
     assert len(lines) == 2 and "137/137 modules applied" in lines[1], lines
+
+
+def test_rows_example_equals_chained_loaders(server, example):
+    """LyCORIS Loader (Rows) as its example runs it: the same image as its rows as chained loaders (Block Weights for
+    the row with block weights), the trigger words it gave written into the prompt as text."""
+    ran = example("lycoris_rows.json")
+    prompt = ran.prompt
+    rows_id = only(prompt, "LycorisRows")
+    inputs = prompt[rows_id]["inputs"]
+    rows = json.loads(inputs["rows"])
+    assert len(rows) == 2 and not rows[0].get("block_weights") and rows[1]["block_weights"], rows
+    (report,) = [out["lycoris_rows"] for key, out in ran.entry["outputs"].items() if key == rows_id]
+    assert [len(entry["placements"]) for entry in report] == [1, 1]
+    assert all(" modules applied" in entry["placements"][0]["line"] for entry in report), report
+
+    chained = {k: v for k, v in copy.deepcopy(prompt).items() if k != rows_id}
+    model, clip = inputs["model"], inputs["clip"]
+    for i, row in enumerate(rows):
+        loader = {"model": model, "clip": clip, "lycoris_name": row["lora"], "strength_model": row["strength"],
+                  "strength_clip": row.get("strength_clip", row["strength"]),
+                  "strength_mode": inputs["strength_mode"], "apply_mode": inputs["apply_mode"]}
+        if row.get("block_weights"):
+            chained[f"chain{i}"] = {"class_type": "LycorisBlockWeights",
+                                    "inputs": {**loader, "block_weights": row["block_weights"]}}
+        else:
+            chained[f"chain{i}"] = {"class_type": "LycorisLoader", "inputs": loader}
+        model, clip = [f"chain{i}", 0], [f"chain{i}", 1]
+    words = ", ".join(dict.fromkeys(word for entry in report for word in entry["trigger_words"]))
+    for node in chained.values():
+        node["inputs"] = {k: words if v == [rows_id, 3] else v for k, v in node["inputs"].items()}
+    rewire(chained, rows_id, f"chain{len(rows) - 1}")
+    assert np.array_equal(ran.pixels, pixels(server, chained)), "the rows are not the chained loaders"
 
 
 def test_schedule_example_fades(server, example):
@@ -428,7 +483,7 @@ def test_save_example_samples_like_its_stack(server, example):
 
 
 def test_no_unloaded_keys_in_the_server_log(server, example):
-    for name in WORKFLOWS:
+    for name in RUNNABLE:
         example(name)  # already run above, unless this test runs alone
     bad = [line for line in server.log_text().splitlines() if any(b in line for b in BAD_LOG_LINES)]
     assert not bad, "\n".join(bad[:20])
