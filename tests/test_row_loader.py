@@ -299,6 +299,17 @@ def test_tags_and_stack_on_the_experts_node_read_the_names_too(experts, wan_file
                         expert_weights(chained(low, None, [(f["style"], 0.25, 0), (f["low"], 0.5, 0)])[0]), "low")
 
 
+def test_the_experts_fingerprint_follows_a_rewritten_sibling(wan_files, loras):
+    """On the class clone ComfyUI calls it on (PREPARE_CLASS_CLONE): rewriting the LOW file of a row that names the
+    HIGH one re-runs the node."""
+    node = LycorisExperts.PREPARE_CLASS_CLONE({})
+    rows = rows_text({"lora": wan_files["high"]})
+    before = node.fingerprint_inputs(rows=rows)
+    low = loras / wan_files["low"]
+    write(loras, wan_files["low"], {k: v * 2 for k, v in load_file(str(low)).items()})
+    assert node.fingerprint_inputs(rows=rows) != before
+
+
 def test_the_experts_node_refuses_what_is_not_two_wan_experts(sd15, experts, wan_files):
     high, _low = experts
     rows = rows_text({"lora": wan_files["style"]})

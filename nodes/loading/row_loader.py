@@ -176,59 +176,65 @@ def check_files(entries: list[Entry]) -> None:
                                    f"({said.evidence}), and it goes to the {EXPERT_NAMES[placement.expert]} one")
 
 
-@dataclass
-class Applied:
-    """What applying the entries made: the models by expert (None: the one model), the clip, the report."""
-
-    models: dict
-    clip: object
-    report: list[dict] = field(default_factory=list)
-    lines: list[str] = field(default_factory=list)
-    words: list[str] = field(default_factory=list)
-
-
 def _add_words(words: list[str], metadata: dict) -> None:
     for word in trigger_words(metadata):
         if word not in words:
             words.append(word)
 
 
-def apply_entries(entries: list[Entry], models: dict, clip, strength_mode: str, apply_mode: str,
-                  node: str | None) -> Applied:
-    reference = strength_mode == "lycoris"
-    out = Applied(dict(models), clip)
-    for i, entry in enumerate(entries):
-        placed = []
-        for j, placement in enumerate(entry.placements):
-            data = placement.to_json()
-            placed.append(data)
-            strength_clip = placement.strength_clip if placement.clip and out.clip is not None else 0.0
-            if is_off(placement.strength_model, reference) and is_off(strength_clip, reference):
-                data["line"] = f"{placement.file}: strength 0, not applied"
-                continue
-            lfile = load_cached(lycoris_path(placement.file))
-            weights = parse_block_weights(placement.block_weights)
-            key = None if node is None else f"{node}:{i}:{j}"
-            try:
-                model, new_clip, report = apply_file(lfile, out.models[placement.expert],
-                                                     out.clip if placement.clip else None, placement.strength_model,
-                                                     strength_clip, reference, weights, apply_mode, key)
-            except LycorisError as err:
-                raise LycorisError(f"{entry.label}: {err}") from err
-            out.models[placement.expert] = model
-            if placement.clip and new_clip is not None:
-                out.clip = new_clip
-            data["line"], data["verdict"] = report.line(), report.verdict
-            where = f" → {EXPERT_NAMES[placement.expert]}" if placement.expert else ""
-            out.lines.append(f"{entry.label}{where}: {report.line()}")
-            _add_words(out.words, lfile.metadata)
+@dataclass
+class Applied:
+    """What applying the entries made so far: the models by expert (None: the one model), the clip, the report."""
+
+    models: dict
+    clip: object
+    reference: bool  # LyCORIS strength semantics
+    apply_mode: str
+    report: list[dict] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    words: list[str] = field(default_factory=list)  # of the files applied
+
+    def place(self, entry: Entry, placement: Placement, key: str | None) -> dict:
+        """One file on its model (and on the clip, when it carries the row's text-encoder change); its report."""
+        data = placement.to_json()
+        strength_clip = placement.strength_clip if placement.clip and self.clip is not None else 0.0
+        if is_off(placement.strength_model, self.reference) and is_off(strength_clip, self.reference):
+            data["line"] = f"{placement.file}: strength 0, not applied"
+            return data
+        lfile = load_cached(lycoris_path(placement.file))
+        try:
+            model, clip, report = apply_file(lfile, self.models[placement.expert], self.clip if placement.clip else None,
+                                             placement.strength_model, strength_clip, self.reference,
+                                             parse_block_weights(placement.block_weights), self.apply_mode, key)
+        except LycorisError as err:
+            raise LycorisError(f"{entry.label}: {err}") from err
+        self.models[placement.expert] = model
+        if placement.clip and clip is not None:
+            self.clip = clip
+        data["line"], data["verdict"] = report.line(), report.verdict
+        where = f" → {EXPERT_NAMES[placement.expert]}" if placement.expert else ""
+        self.lines.append(f"{entry.label}{where}: {report.line()}")
+        _add_words(self.words, lfile.metadata)
+        return data
+
+    def add_report(self, entry: Entry, placed: list[dict]) -> None:
         words: list[str] = []  # the entry's own, applied or not (a row at strength 0 still says its words)
         for placement in entry.placements:
             _add_words(words, load_cached(lycoris_path(placement.file)).metadata)
-        out.lines += [f"{entry.label}: {note}" for note in entry.notes]
-        out.report.append({"source": entry.source, "row": entry.number if entry.source == "row" else None,
-                           "number": entry.number, "lora": entry.lora, "off": not entry.on, "placements": placed,
-                           "notes": entry.notes, "trigger_words": words})
+        self.lines += [f"{entry.label}: {note}" for note in entry.notes]
+        self.report.append({"source": entry.source, "row": entry.number if entry.source == "row" else None,
+                            "number": entry.number, "lora": entry.lora, "off": not entry.on, "placements": placed,
+                            "notes": entry.notes, "trigger_words": words})
+
+
+def apply_entries(entries: list[Entry], models: dict, clip, strength_mode: str, apply_mode: str,
+                  node: str | None) -> Applied:
+    """Every placement in order, each through apply_file as a LyCORIS Loader would (its own injection key)."""
+    out = Applied(dict(models), clip, strength_mode == "lycoris", apply_mode)
+    for i, entry in enumerate(entries):
+        placed = [out.place(entry, placement, None if node is None else f"{node}:{i}:{j}")
+                  for j, placement in enumerate(entry.placements)]
+        out.add_report(entry, placed)
     return out
 
 
@@ -254,10 +260,14 @@ def _row_files(rows: str, pairs: bool) -> list[str]:
 
 
 def fingerprint_rows(cls, rows="", **_inputs) -> str:
-    """fingerprint_by_file (glue/inputs.py) for every file the rows name (and on the experts node, their siblings):
-    a file rewritten under the same name is read again. Files named only by linked inputs (lora_text, lora_stack)
-    are not known before the run."""
-    return "\n".join(file_stamp(name) for name in _row_files(str(rows), cls is LycorisExperts))
+    """fingerprint_by_file (glue/inputs.py) for every file the rows name: a file rewritten under the same name is
+    read again. Files named only by linked inputs (lora_text, lora_stack) are not known before the run."""
+    return "\n".join(file_stamp(name) for name in _row_files(str(rows), pairs=False))
+
+
+def fingerprint_expert_rows(cls, rows="", **_inputs) -> str:
+    """fingerprint_rows with the siblings the experts node finds for them."""
+    return "\n".join(file_stamp(name) for name in _row_files(str(rows), pairs=True))
 
 
 def validate_rows(cls, rows=None) -> bool | str:
@@ -366,7 +376,7 @@ class LycorisExperts(io.ComfyNode):
             hidden=[io.Hidden.unique_id],
         )
 
-    fingerprint_inputs = classmethod(fingerprint_rows)
+    fingerprint_inputs = classmethod(fingerprint_expert_rows)
     validate_inputs = classmethod(validate_rows)
 
     @classmethod
