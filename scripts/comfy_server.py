@@ -27,7 +27,7 @@ from typing import Self
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACK_DIR_NAME = "lycoris_nodes"
-BASE_SUBDIRS = ("models/checkpoints", "models/loras", "custom_nodes", "input", "output", "temp", "user")
+BASE_SUBDIRS = ("models/checkpoints", "models/diffusion_models", "models/loras", "custom_nodes", "input", "output", "temp", "user")
 
 
 def stretched(seconds: float) -> float:

@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 import make_demo_lycoris
 import make_tiny_sd15
+import make_tiny_wan
 from comfy_server import ComfyServer, ui_to_api
 from frontends import BUNDLED, FRONTENDS, frontend_args
 from test_server_demo import ASSETS, CHECKPOINT, LYCORIS, LYCORIS_LOHA, WORKFLOW, make_base_dir
@@ -36,9 +37,17 @@ def loha_file(assets) -> Path:
 
 
 @pytest.fixture(scope="session")
-def model_files(assets, loha_file) -> dict[str, list[Path]]:
-    """What a server's base dir links: the checkpoint and every demo LyCORIS file (for make_base_dir)."""
-    return {"checkpoints": [assets["checkpoints"]], "loras": [assets["loras"], loha_file]}
+def tiny_wan() -> dict[str, list[Path]]:
+    """Wan 2.2's two experts at a tiny width and a HIGH/LOW LoRA pair for them (scripts/make_tiny_wan.py), cached."""
+    return make_tiny_wan.write_all(ASSETS / "tiny_wan")
+
+
+@pytest.fixture(scope="session")
+def model_files(assets, loha_file, tiny_wan) -> dict[str, list[Path]]:
+    """What a server's base dir links: the checkpoint, every demo LyCORIS file and the tiny Wan experts with their
+    pair (for make_base_dir)."""
+    return {"checkpoints": [assets["checkpoints"]], "loras": [assets["loras"], loha_file, *tiny_wan["loras"]],
+            "diffusion_models": tiny_wan["diffusion_models"]}
 
 
 @pytest.fixture(scope="session")
