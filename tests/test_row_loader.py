@@ -158,6 +158,18 @@ def test_bad_rows_are_refused_naming_the_row(sd15, installed, rows, message):
         run(LycorisRows, model=model, clip=clip, rows=rows)
 
 
+@pytest.mark.parametrize("item,message", [
+    (("{locon}", "strong", 1.0), r"lora_stack item 2 is \('{locon}', 'strong', 1.0\), not \(file, strength_model"),
+    (("{locon}",), r"lora_stack item 2 is \('{locon}',\), not"),
+    (("{locon}", float("nan"), 1.0), r"lora_stack item 2 \({locon}\): its strengths must be finite"),
+])
+def test_a_malformed_stack_item_is_refused_naming_it(sd15, installed, item, message):
+    model, clip = sd15
+    item = tuple(v.replace("{locon}", installed["locon"]) if isinstance(v, str) else v for v in item)
+    with pytest.raises(LycorisError, match=message.replace("{locon}", installed["locon"])):
+        run(LycorisRows, model=model, clip=clip, rows="[]", lora_stack=[(installed["glora"], 1.0, 1.0), item])
+
+
 def test_an_off_row_may_name_a_missing_file(sd15, installed):
     """A shared workflow whose off row names a file this user lacks still runs: only rows that apply must exist."""
     model, clip = sd15

@@ -15,6 +15,7 @@ sibling, and a file whose metadata names the other expert, are said in the row's
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import comfy.model_base
@@ -100,15 +101,22 @@ def _listed(name: str, label: str) -> str:
     return listed
 
 
+def _stack_item(item, number: int) -> Row:
+    """A LORA_STACK item as a row: (name, strength_model, strength_clip), as every stacker pack writes it."""
+    try:
+        name, strength_model, strength_clip = str(item[0]), float(item[1]), float(item[2])
+    except (TypeError, ValueError, IndexError, KeyError):
+        raise LycorisError(f"lora_stack item {number} is {str(item)[:80]}, not (file, strength_model, "
+                           "strength_clip)") from None
+    if not (math.isfinite(strength_model) and math.isfinite(strength_clip)):
+        raise LycorisError(f"lora_stack item {number} ({name}): its strengths must be finite numbers")
+    return Row(lora=name, strength=strength_model, strength_clip=strength_clip,
+               block_weights=getattr(item, "block_weights", ""))
+
+
 def _stack_entries(lora_stack) -> list[tuple[Entry, Row]]:
-    out = []
-    for i, item in enumerate(lora_stack or (), start=1):
-        name, strength_model, strength_clip = item[0], float(item[1]), float(item[2])
-        block_weights = getattr(item, "block_weights", "")
-        entry = Entry("stack", i, str(name))
-        out.append((entry, Row(lora=str(name), strength=strength_model, strength_clip=strength_clip,
-                               block_weights=block_weights)))
-    return out
+    rows = [_stack_item(item, i) for i, item in enumerate(lora_stack or (), start=1)]
+    return [(Entry("stack", i, row.lora), row) for i, row in enumerate(rows, start=1)]
 
 
 def _tag_entries(lora_text: str | None, listed: list[str]) -> list[tuple[Entry, Row]]:
