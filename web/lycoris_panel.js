@@ -11,6 +11,10 @@
 // The tools (Save, Resize, Extract, Convert LyCORIS) get a DOM widget named "lycoris_report" instead: the text report
 // the node returns (ui "text": the file written, then form, rank and measured error per module), lines kept.
 //
+// LyCORIS Loader (Rows) and (Wan 2.2 Experts) get the rows editor, "lycoris_rows" (web/panel/rows_editor.js): a line
+// per file drawn from the node's `rows` text and written back into it, with the run's report (ui "lycoris_rows")
+// under each row; the text stays what is saved and sent.
+//
 // This file only registers the extension; the parts are in web/panel/ (the widgets in widgets.js, the panel in
 // panel.js, view.js and block_editor.js, the server requests in fetching.js, the model-library drop in model_drop.js,
 // the settings in settings.js). The frontend imports every .js file under web/, so those only export.
@@ -19,7 +23,8 @@ import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { restoreCached, restoreFromHistory } from "./panel/fetching.js";
 import { noteDropType, registerModelDrops, watchDrags } from "./panel/model_drop.js";
-import { NODE_TYPES, TOOL_TYPES } from "./panel/names.js";
+import { NODE_TYPES, ROWS_TYPES, TOOL_TYPES } from "./panel/names.js";
+import { addRowsEditor, restoreRowsReports } from "./panel/rows_editor.js";
 import { SETTINGS } from "./panel/settings.js";
 import { addPanel, addReport } from "./panel/widgets.js";
 
@@ -38,6 +43,19 @@ const extension = {
 
     async beforeRegisterNodeDef(nodeType, nodeData) {
         noteDropType(nodeData);
+        if (ROWS_TYPES.includes(nodeData.name)) {
+            const onRowsExecuted = nodeType.prototype.onExecuted;
+            nodeType.prototype.onExecuted = function (output) {
+                const result = onRowsExecuted?.apply(this, arguments);
+                try {
+                    this.lycorisRows?.onExecuted(output);
+                } catch (e) {
+                    console.error("[lycoris_panel] rows report:", e);
+                }
+                return result;
+            };
+            return;
+        }
         if (TOOL_TYPES.includes(nodeData.name)) {
             const onToolExecuted = nodeType.prototype.onExecuted;
             nodeType.prototype.onExecuted = function (output) {
@@ -65,6 +83,14 @@ const extension = {
     },
 
     nodeCreated(node) {
+        if (ROWS_TYPES.includes(node.comfyClass)) {
+            try {
+                addRowsEditor(node);
+            } catch (e) {
+                console.error("[lycoris_panel] could not add the rows editor:", e);
+            }
+            return;
+        }
         if (TOOL_TYPES.includes(node.comfyClass)) {
             try {
                 addReport(node);
@@ -85,6 +111,7 @@ const extension = {
         // After the nodes' own refresh (addPanel's setTimeout), so a report found here is not overwritten by it.
         setTimeout(() => {
             restoreFromHistory().catch((e) => console.error("[lycoris_panel] restoring the last run's report:", e));
+            restoreRowsReports().catch((e) => console.error("[lycoris_panel] restoring the rows' last report:", e));
         }, 0);
     },
 

@@ -11,3 +11,8 @@ export const NAME_WIDGET = "lycoris_name";
 export const BLOCK_WEIGHTS_WIDGET = "block_weights";
 export const PRESET_WIDGET = "preset";
 export const CUSTOM_PRESET = "custom";
+// The multi-file loaders (issue #36): the rows editor (web/panel/rows_editor.js) draws and rewrites their `rows` text.
+export const ROWS_TYPES = ["LycorisRows", "LycorisExperts"];
+export const EXPERTS_TYPE = "LycorisExperts"; // its rows also have a low-noise strength and an expert
+export const ROWS_WIDGET = "rows";
+export const ROWS_EDITOR_WIDGET = "lycoris_rows";
