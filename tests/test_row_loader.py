@@ -279,7 +279,7 @@ def test_each_expert_gets_exactly_its_files(experts, wan_files, mode):
     assert "on both experts" in report[1]["notes"][0]
     assert "no 'wan/lonely_low_noise.safetensors'" in report[2]["notes"][0]
     assert report[3]["notes"] == []
-    (line,) = [line for line in out.ui["text"] if line.startswith(f"row 1 ({f['high']}) → low-noise: ")]
+    (line,) = [line for line in out.ui["text"] if line.startswith(f"row 1 ({f['high']}), low-noise expert: ")]
     assert "motion_LOW_fp16.safetensors: " in line and " modules applied" in line
 
 

@@ -153,7 +153,8 @@ def _expert_placements(entry: Entry, row: Row, listed: list[str]) -> list[tuple[
         entry.notes.append(f"its name says {EXPERT_NAMES[pair.expert]} ({pair.rule}), and no '{pair.sibling_name}' "
                            f"is in the loras folders: the {EXPERT_NAMES[other]} expert gets no file from this row")
         return [(picked, pair.expert)]
-    entry.notes.append(f"pair by name ({pair.rule}): {pair.high} → high-noise, {pair.low} → low-noise")
+    entry.notes.append(f"pair by name ({pair.rule}): {pair.high} on the high-noise expert, {pair.low} on the "
+                       "low-noise one")
     return [(pair.high, HIGH), (pair.low, LOW)]
 
 
@@ -220,7 +221,7 @@ class Applied:
         if placement.clip and clip is not None:
             self.clip = clip
         data["line"], data["verdict"] = report.line(), report.verdict
-        where = f" → {EXPERT_NAMES[placement.expert]}" if placement.expert else ""
+        where = f", {EXPERT_NAMES[placement.expert]} expert" if placement.expert else ""
         self.lines.append(f"{entry.label}{where}: {report.line()}")
         _add_words(self.words, lfile.metadata)
         return data
