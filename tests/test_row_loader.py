@@ -19,6 +19,7 @@ from lycoris_nodes.lycoris_core import LycorisError
 from lycoris_nodes.nodes.loading.loaders import LycorisLoader, LycorisLoaderModelOnly
 from lycoris_nodes.nodes.loading.row_loader import LycorisExperts, LycorisRows
 from lycoris_nodes.nodes.loading.weighting import LycorisBlockWeights
+from lycoris_nodes.nodes.scheduling.stack import LycorisApplyStack
 from node_runner import execute
 from safetensors.torch import load_file, save_file
 from test_block_weights import loaded_weights, make_reference, run, same_bits
@@ -166,8 +167,11 @@ def test_bad_rows_are_refused_naming_the_row(sd15, installed, rows, message):
 def test_a_malformed_stack_item_is_refused_naming_it(sd15, installed, item, message):
     model, clip = sd15
     item = tuple(v.replace("{locon}", installed["locon"]) if isinstance(v, str) else v for v in item)
+    stack = [(installed["glora"], 1.0, 1.0), item]
     with pytest.raises(LycorisError, match=message.replace("{locon}", installed["locon"])):
-        run(LycorisRows, model=model, clip=clip, rows="[]", lora_stack=[(installed["glora"], 1.0, 1.0), item])
+        run(LycorisRows, model=model, clip=clip, rows="[]", lora_stack=stack)
+    with pytest.raises(LycorisError, match=message.replace("{locon}", installed["locon"])):
+        run(LycorisApplyStack, model=model, clip=clip, lora_stack=stack)  # the same check (glue/lora_stack.py)
 
 
 def test_an_off_row_may_name_a_missing_file(sd15, installed):

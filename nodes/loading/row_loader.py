@@ -15,7 +15,6 @@ sibling, and a file whose metadata names the other expert, are said in the row's
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import comfy.model_base
@@ -41,7 +40,7 @@ from ..glue.inputs import (
     model_input,
     node_key,
 )
-from ..glue.lora_stack import LoraStack, StackRow
+from ..glue.lora_stack import LoraStack, StackRow, read_item
 from .experts import HIGH, LOW, find_pair, metadata_expert
 from .lora_tags import parse_tags
 from .rows import Row, parse_rows
@@ -101,22 +100,11 @@ def _listed(name: str, label: str) -> str:
     return listed
 
 
-def _stack_item(item, number: int) -> Row:
-    """A LORA_STACK item as a row: (name, strength_model, strength_clip), as every stacker pack writes it."""
-    try:
-        name, strength_model, strength_clip = str(item[0]), float(item[1]), float(item[2])
-    except (TypeError, ValueError, IndexError, KeyError):
-        raise LycorisError(f"lora_stack item {number} is {str(item)[:80]}, not (file, strength_model, "
-                           "strength_clip)") from None
-    if not (math.isfinite(strength_model) and math.isfinite(strength_clip)):
-        raise LycorisError(f"lora_stack item {number} ({name}): its strengths must be finite numbers")
-    return Row(lora=name, strength=strength_model, strength_clip=strength_clip,
-               block_weights=getattr(item, "block_weights", ""))
-
-
 def _stack_entries(lora_stack) -> list[tuple[Entry, Row]]:
-    rows = [_stack_item(item, i) for i, item in enumerate(lora_stack or (), start=1)]
-    return [(Entry("stack", i, row.lora), row) for i, row in enumerate(rows, start=1)]
+    items = [read_item(item, i) for i, item in enumerate(lora_stack or (), start=1)]
+    return [(Entry("stack", i, item[0]), Row(lora=item[0], strength=item[1], strength_clip=item[2],
+                                              block_weights=item.block_weights))
+            for i, item in enumerate(items, start=1)]
 
 
 def _tag_entries(lora_text: str | None, listed: list[str]) -> list[tuple[Entry, Row]]:

@@ -22,7 +22,7 @@ from ..glue.inputs import (
     model_input,
     node_key,
 )
-from ..glue.lora_stack import LoraStack, StackRow
+from ..glue.lora_stack import LoraStack, StackRow, read_item
 
 STACK_TOOLTIP = (
     "One file per line: 'name | strength_model | strength_clip | block weights'. Strengths default to 1 (clip to the "
@@ -109,11 +109,11 @@ class LycorisApplyStack(io.ComfyNode):
         reference = strength_mode == "lycoris"
         node = node_key(cls)
         lines = []
-        for i, row in enumerate(lora_stack):
-            name, strength_model, strength_clip = row[0], float(row[1]), float(row[2])
+        rows = [read_item(row, i) for i, row in enumerate(lora_stack, start=1)]  # all checked before any applies
+        for i, (name, strength_model, strength_clip) in enumerate(rows):
             if is_off(strength_model, reference) and is_off(strength_clip, reference):
                 continue
-            weights = parse(getattr(row, "block_weights", ""))
+            weights = parse(rows[i].block_weights)
             model, clip, report = apply_file(load_cached(lycoris_path(name)), model, clip, strength_model,
                                              strength_clip, reference, weights, apply_mode,
                                              None if node is None else f"{node}:{i}")
