@@ -131,8 +131,11 @@ def test_stack_then_rows_then_tags(sd15, installed):
 def test_without_clip_the_rows_change_the_model_only(sd15, installed):
     model, _clip = sd15
     rows = rows_text({"lora": installed["locon"], "strength": 1.0, "strength_clip": 2.0})
-    got_model, got_clip, _stack, _words = run(LycorisRows, model=model, rows=rows)
+    out = execute(LycorisRows, model=model, rows=rows)
+    got_model, got_clip, _stack, _words = out.result
     assert got_clip is None
+    (placement,) = out.ui["lycoris_rows"][0]["placements"]
+    assert placement["strength_model"] == 1.0 and placement["strength_clip"] is None  # no text encoder: no strength
     (chain,) = run(LycorisLoaderModelOnly, model=model, lycoris_name=installed["locon"], strength_model=1.0)
     assert_same_weights(loaded_weights(got_model, UNET_KEYS), loaded_weights(chain, UNET_KEYS), "model only")
 

@@ -194,7 +194,10 @@ class Applied:
     def place(self, entry: Entry, placement: Placement, key: str | None) -> dict:
         """One file on its model (and on the clip, when it carries the row's text-encoder change); its report."""
         data = placement.to_json()
-        strength_clip = placement.strength_clip if placement.clip and self.clip is not None else 0.0
+        carries_clip = placement.clip and self.clip is not None
+        strength_clip = placement.strength_clip if carries_clip else 0.0
+        if not carries_clip:
+            data["strength_clip"] = None  # no text encoder connected: no clip strength to report
         if is_off(placement.strength_model, self.reference) and is_off(strength_clip, self.reference):
             data["line"] = f"{placement.file}: strength 0, not applied"
             return data

@@ -1,10 +1,13 @@
 // The rows editor of LyCORIS Loader (Rows) (web/panel/rows_editor.js) in a real browser against a real ComfyUI server
 // (tests/e2e/test_browser_rows.py).
 //
-//   COMFY_URL=http://127.0.0.1:8188/ SCREENSHOT=/tmp/rows.png RENDERER=vue WORKFLOW=/tmp/rows.json node tests/browser/rows.mjs
+//   COMFY_URL=http://127.0.0.1:8188/ SCREENSHOT=/tmp/rows.png RENDERER=vue WORKFLOW=/tmp/rows.json \
+//   EXPERTS_WORKFLOW=/tmp/experts.json node tests/browser/rows.mjs
 //
 // WORKFLOW: a workflow with one LycorisRows node whose `rows` (its first widget value) are INITIAL below, its model
-// and clip linked, and its lora_text fed one <lora:...> tag.
+// and clip linked, and its lora_text fed one <lora:...> tag. EXPERTS_WORKFLOW (optional; the e2e test always gives
+// it): one LycorisExperts node on the tiny Wan experts (scripts/make_tiny_wan.py), clip not linked, whose `rows` are
+// EXPERTS_INITIAL below.
 //
 // Edits the rows like a user, through the editor (clicks and typing), and after each step checks the `rows` widget's
 // text character for character (what rows.py's rows_text writes) and the rows the editor draws: add a row, type its
@@ -12,13 +15,20 @@
 // error shows, the text is kept, no row is drawn) and put it right. Then: the `rows` textarea is nowhere on screen,
 // the saved workflow holds the text and nothing of the editor, the change tracker has it (undo). Queues the workflow:
 // each row shows its report, the lora_text tag's report shows below the rows, no node covers another. Reloads the
-// page: the same rows and the same report are drawn. The pack must cause no console warning or error (common.mjs).
+// page: the same rows and the same report are drawn. Then, in the same page, the experts workflow: its row shows the
+// low-noise strength and the expert (no clip strength: clip is not linked); the low strength typed and the expert
+// set to "both" and back to "auto" write the text rows.py writes; queued, the row shows one line per expert (the
+// HIGH file on the high-noise expert, its LOW sibling on the low-noise one, each with its modules applied), the
+// pairing note and both files' trigger words, and no node covers another. The pack must cause no console warning or
+// error over the whole run (common.mjs).
 // The server must not have the node's output cached (test_browser_rows.py's panel_server forgets it).
 
+import { readFileSync } from "node:fs";
 import { join } from "node:path";
 
 import {
-    REPO, check, loadWorkflow, mark, queueAndWait, reopenUI, runBrowserScript, setRenderer, settled, waitFor,
+    REPO, SCREENSHOT, check, frames, loadWorkflow, mark, nodeBox, nodeRects, queueAndWait, reopenUI, runBrowserScript,
+    setRenderer, settled, waitFor,
 } from "./common.mjs";
 
 const NODE_TYPE = "LycorisRows";
@@ -31,8 +41,14 @@ const row = (on, lora, strength, extra = "") => `{"on": ${on}, "lora": "${lora}"
 const list = (...rows) => `[${rows.join(", ")}]`;
 const CLIP_HALF = ', "strength_clip": 0.5';
 const INITIAL = list(row(true, A, "1.0"), row(true, B, "0.75", CLIP_HALF));
+const EXPERTS_TYPE = "LycorisExperts";
+const EXPERTS_WORKFLOW = process.env.EXPERTS_WORKFLOW;
+const WAN_HIGH = "tiny_wan22_motion_HIGH.safetensors";
+const WAN_LOW = "tiny_wan22_motion_LOW.safetensors";
+const EXPERTS_INITIAL = list(row(true, WAN_HIGH, "0.8"));
+const WAN_TRIGGERS = "trigger words: tiny wan high, tiny wan low";
 
-/** The LycorisRows node's `rows` text, the rows its editor draws, their report, and where the textareas are. */
+/** The `type` node's `rows` text, the rows its editor draws, their report, and where the textareas are. */
 function rowsState(type) {
     const app = window.comfyAPI.app.app;
     const node = app.graph.nodes.find((n) => n.type === type);
@@ -42,12 +58,21 @@ function rowsState(type) {
     if (!widget || !root) return { ok: false, reason: "no rows widget or rows editor" };
     const texts = (box, sel) => [...box.querySelectorAll(sel)].map((e) => e.textContent);
     const shown = (e) => !!e && e.offsetParent !== null && e.getBoundingClientRect().height > 0;
+    // A field: its value, or null when the row has none on screen (absent or hidden).
+    const field = (r, sel) => {
+        const e = r.querySelector(sel);
+        return shown(e) ? e.value : null;
+    };
     const rows = [...root.querySelectorAll(".lycoris-rows-row")].map((r) => ({
         on: r.querySelector(".lycoris-rows-on")?.checked,
         lora: r.querySelector(".lycoris-rows-file")?.value,
         strength: r.querySelector(".lycoris-rows-strength")?.value,
-        clip: r.querySelector(".lycoris-rows-strength-clip")?.value ?? null,
+        clip: field(r, ".lycoris-rows-strength-clip"),
+        low: field(r, ".lycoris-rows-strength-low"),
+        expert: field(r, ".lycoris-rows-expert"),
         lines: texts(r, ".lycoris-rows-report .lycoris-rows-line"),
+        notes: texts(r, ".lycoris-rows-report .lycoris-rows-note"),
+        triggers: texts(r, ".lycoris-rows-report .lycoris-rows-triggers"),
     }));
     // The `rows` textarea on screen: the widget's own (classic) or one in the Vue node other than the editor's.
     const vueNode = document.querySelector(`.lg-node[data-node-id="${node.id}"]`);
@@ -72,49 +97,123 @@ function rowsState(type) {
     };
 }
 
-/** Every node's rectangle in screen pixels as drawn and the pairs that intersect (templates.mjs nodeRects). */
-function overlaps() {
-    const app = window.comfyAPI.app.app;
-    const canvas = app.canvas;
-    const title = window.LiteGraph.NODE_TITLE_HEIGHT;
-    const boxes = app.graph.nodes.map((node) => {
-        const vue = document.querySelector(`.lg-node[data-node-id="${node.id}"]`);
-        if (vue && vue.offsetParent !== null) {
-            const r = vue.getBoundingClientRect();
-            return { title: node.title, box: [r.left, r.top, r.right, r.bottom] };
-        }
-        const [x, y] = canvas.ds.convertOffsetToCanvas([node.pos[0], node.pos[1] - title]);
-        const s = canvas.ds.scale;
-        return { title: node.title, box: [x, y, x + node.size[0] * s, y + (node.size[1] + title) * s] };
-    });
-    const out = [];
-    for (let i = 0; i < boxes.length; i++) {
-        for (let j = i + 1; j < boxes.length; j++) {
-            const [a, b] = [boxes[i].box, boxes[j].box];
-            const w = Math.min(a[2], b[2]) - Math.max(a[0], b[0]);
-            const h = Math.min(a[3], b[3]) - Math.max(a[1], b[1]);
-            if (w > 0.5 && h > 0.5) out.push({ a: boxes[i].title, b: boxes[j].title, w: Math.round(w), h: Math.round(h) });
-        }
-    }
-    return { overlaps: out, boxes: boxes.map((b) => [b.title, ...b.box.map(Math.round)]) };
-}
-
 /** [on, lora, strength] of each row a `rows` text holds, as the editor should draw them. */
 function drawnFrom(text) {
     return JSON.parse(text).map((r) => [r.on, r.lora, String(r.strength)]);
 }
 
-/** Wait until the `rows` text is `expected`, then check the editor draws its rows; `step` names the edit. */
-async function expectRows(page, step, expected) {
+/**
+ * Wait until the `type` node's `rows` text is `expected`, then check the editor draws its rows; `step` names the
+ * edit.
+ */
+async function expectRows(page, step, expected, type = NODE_TYPE) {
     const s = await waitFor(page, `the rows text after "${step}" to be ${expected}`, ([t, want]) => {
         const state = window.__rowsState(t);
         return state.ok && state.value === want ? state : { ...state, ok: false };
-    }, [NODE_TYPE, expected], 5000);
+    }, [type, expected], 5000);
     const drawn = s.rows.map((r) => [r.on, r.lora, r.strength]);
     check(JSON.stringify(drawn) === JSON.stringify(drawnFrom(expected)),
         `after "${step}" the editor draws ${JSON.stringify(drawn)}, expected ${JSON.stringify(drawnFrom(expected))}`);
     check(s.errors.length === 0, `after "${step}" the editor shows an error: ${s.errors}`);
     return s;
+}
+
+/**
+ * A close-up of the first `type` node as the page shows it now, to `path` (common.mjs takes its own close-up only
+ * of the node of the first workflow, which the experts workflow replaces).
+ */
+async function nodeScreenshot(page, type, path) {
+    await page.mouse.move(1590, 990); // no hover tooltips in the picture
+    await frames(page, 2);
+    const box = await page.evaluate(nodeBox, type);
+    if (!box) return null;
+    const pad = 12;
+    const x = Math.max(0, box.x - pad);
+    const y = Math.max(0, box.y - pad);
+    const size = page.viewportSize();
+    const width = Math.min(size.width - x, box.width + 2 * pad);
+    const height = Math.min(size.height - y, box.height + 2 * pad);
+    if (width <= 0 || height <= 0) return null;
+    await page.screenshot({ path, clip: { x, y, width, height } });
+    return path;
+}
+
+/** The row's report line of the `arrow` expert ("→ high-noise"), or a failed check naming what was drawn. */
+function expertLine(lines, arrow) {
+    const found = lines.filter((l) => l.startsWith(arrow));
+    check(found.length === 1, `${found.length} report lines for ${arrow}, expected 1: ${JSON.stringify(lines)}`);
+    return found[0];
+}
+
+/** The experts node (EXPERTS_WORKFLOW) in the same page: its row's fields, two edits, the run's two placements. */
+async function expertsChecks(page, result) {
+    const start = Date.now();
+    const workflow = JSON.parse(readFileSync(EXPERTS_WORKFLOW, "utf8"));
+    const given = workflow.nodes.find((n) => n.type === EXPERTS_TYPE)?.widgets_values?.[0];
+    check(given === EXPERTS_INITIAL, `the experts workflow's rows are ${JSON.stringify(given)}, not EXPERTS_INITIAL`);
+    await loadWorkflow(page, workflow);
+    const loaded = await waitFor(page, "the experts editor on screen with the workflow's row", (t) => {
+        const s = window.__rowsState(t);
+        return s.ok && s.editorShown && s.rows.length ? s : { ...s, ok: false };
+    }, EXPERTS_TYPE, 30000);
+    await expectRows(page, "loading the experts workflow", EXPERTS_INITIAL, EXPERTS_TYPE);
+    const [first] = loaded.rows;
+    check(first.low === "" && first.expert === "auto",
+        `the experts row's low strength and expert: ${JSON.stringify(first)} (expected "" and "auto", on screen)`);
+    check(first.clip === null, `the experts row shows a clip strength with clip not linked: ${JSON.stringify(first)}`);
+    check(first.lines.length === 0, `a report before the run: ${JSON.stringify(first.lines)}`);
+    check(loaded.rowsTextareasShown === 0, `the experts node's rows textarea is on screen (${loaded.rowsTextareasShown})`);
+
+    const editor = page.locator(`.lycoris-rows[data-node-id="${loaded.nodeId}"]`);
+    const inRow = (sel) => editor.locator(`.lycoris-rows-row[data-row="1"] ${sel}`);
+    const steps = [];
+    const step = async (name, expected, drawn, act) => {
+        await act();
+        const s = await expectRows(page, name, expected, EXPERTS_TYPE);
+        const [r] = s.rows;
+        check(r.low === drawn.low && r.expert === drawn.expert,
+            `after "${name}" the row draws low ${JSON.stringify(r.low)} and expert ${JSON.stringify(r.expert)}, `
+            + `expected ${JSON.stringify(drawn)}`);
+        steps.push({ step: name, value: s.value });
+        return s;
+    };
+    const low = list(row(true, WAN_HIGH, "0.8", ', "strength_low": 0.5'));
+    await step("low strength 0.5", low, { low: "0.5", expert: "auto" }, async () => {
+        await inRow(".lycoris-rows-strength-low").fill("0.5");
+        await inRow(".lycoris-rows-strength-low").press("Enter");
+    });
+    await step("expert both", list(row(true, WAN_HIGH, "0.8", ', "strength_low": 0.5, "expert": "both"')),
+        { low: "0.5", expert: "both" }, () => inRow(".lycoris-rows-expert").selectOption("both"));
+    await step("expert auto again", low, { low: "0.5", expert: "auto" },
+        () => inRow(".lycoris-rows-expert").selectOption("auto"));
+    mark("experts_edited");
+
+    await queueAndWait(page, EXPERTS_TYPE);
+    const ran = await waitFor(page, "the experts row's report after the run", (t) => {
+        const state = window.__rowsState(t);
+        const r = state.ok && state.rows.length === 1 ? state.rows[0] : null;
+        return r && r.lines.length && r.triggers.length ? state : { ...state, ok: false };
+    }, EXPERTS_TYPE, 15000);
+    mark("experts_ran");
+    const [done] = ran.rows;
+    result.experts = { steps, report: { lines: done.lines, notes: done.notes, triggers: done.triggers } };
+    check(done.lines.length === 2, `the row's report has ${done.lines.length} lines, expected one per expert: `
+        + JSON.stringify(done.lines));
+    // Each expert's line names its file (the coverage line does), at its strength (fmtNum: 0.80), all applied.
+    const high = expertLine(done.lines, "→ high-noise");
+    const lowLine = expertLine(done.lines, "→ low-noise");
+    const placed = (line, file, other, strength) => line.includes(file) && !line.includes(other)
+        && new RegExp(`@ ${strength}0?(?!\\d)`).test(line) && / modules applied/.test(line);
+    check(placed(high, WAN_HIGH, WAN_LOW, "0\\.8"), `the high-noise expert's line: ${JSON.stringify(high)}`);
+    check(placed(lowLine, WAN_LOW, WAN_HIGH, "0\\.5"), `the low-noise expert's line: ${JSON.stringify(lowLine)}`);
+    check(done.notes.some((n) => n.includes("pair by name (HIGH / LOW)") && n.includes(WAN_HIGH) && n.includes(WAN_LOW)),
+        `the pairing note: ${JSON.stringify(done.notes)}`);
+    check(JSON.stringify(done.triggers) === JSON.stringify([WAN_TRIGGERS]), `trigger words: ${JSON.stringify(done.triggers)}`);
+    check(ran.value === low, `the run changed the experts rows text: ${JSON.stringify(ran.value)}`);
+    const layout = await settled(page, "the nodes' rectangles after the experts run", nodeRects, null, { quietMs: 600 });
+    check(layout.overlaps.length === 0, `nodes cover each other after the experts run: ${JSON.stringify(layout)}`);
+    result.experts_screenshot = await nodeScreenshot(page, EXPERTS_TYPE, SCREENSHOT.replace(/(\.png)?$/i, "-experts.png"));
+    result.experts.seconds = (Date.now() - start) / 1000;
 }
 
 async function checks({ page, result, workflow, original }) {
@@ -205,7 +304,7 @@ async function checks({ page, result, workflow, original }) {
         return done ? state : { ...state, ok: false };
     }, NODE_TYPE, 15000);
     result.report = { rows: ran.rows.map((r) => r.lines), others: ran.others, others_lines: ran.othersLines };
-    const layout = await settled(page, "the nodes' rectangles after the run", overlaps, null, { quietMs: 600 });
+    const layout = await settled(page, "the nodes' rectangles after the run", nodeRects, null, { quietMs: 600 });
     check(layout.overlaps.length === 0, `nodes cover each other after the run: ${JSON.stringify(layout)}`);
     check(ran.value === allOn, `the run changed the rows text: ${JSON.stringify(ran.value)}`);
 
@@ -220,6 +319,11 @@ async function checks({ page, result, workflow, original }) {
         `after the reload the editor draws ${JSON.stringify(back.rows)}, before it ${JSON.stringify(ran.rows)}`);
     check(back.rowsTextareasShown === 0, "the rows textarea shows after the reload");
     mark("reloaded");
+    if (EXPERTS_WORKFLOW) {
+        // The rows node's close-up now: the experts workflow replaces it (common.mjs's close-up finds no node then).
+        result.node_screenshot = await nodeScreenshot(page, NODE_TYPE, SCREENSHOT.replace(/(\.png)?$/i, "-node.png"));
+        await expertsChecks(page, result);
+    }
     result.ok = true;
 }
 

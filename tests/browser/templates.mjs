@@ -20,7 +20,8 @@ import { mkdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 
 import {
-    REPO, check, graphLayout, loadWorkflow, mark, queueAndWait, reopenUI, runBrowserScript, setRenderer, settled, waitFor,
+    REPO, check, graphLayout, loadWorkflow, mark, nodeRects, queueAndWait, reopenUI, runBrowserScript, setRenderer, settled,
+    waitFor,
 } from "./common.mjs";
 
 const WORKFLOWS = JSON.parse(readFileSync(process.env.WORKFLOWS, "utf8"));
@@ -71,38 +72,6 @@ const toolReportsWhen = (page, what, want) => waitFor(page, what, ([types, w]) =
     const ok = Object.values(reports).every((r) => r.visible && (w === "shown" || !r.idle));
     return ok ? { reports } : { ok: false, reports };
 }, [TOOL_TYPES, want]);
-
-/** Every node's rectangle in screen pixels, as the renderer draws it, and the intersecting pairs. */
-export function nodeRects() {
-    const app = window.comfyAPI.app.app;
-    const canvas = app.canvas;
-    const title = window.LiteGraph.NODE_TITLE_HEIGHT;
-    const rects = [];
-    for (const node of app.graph.nodes) {
-        const vue = document.querySelector(`.lg-node[data-node-id="${node.id}"]`);
-        let box;
-        if (vue && vue.offsetParent !== null) {
-            const r = vue.getBoundingClientRect();
-            box = [r.left, r.top, r.right, r.bottom];
-        } else {
-            const [x, y] = canvas.ds.convertOffsetToCanvas([node.pos[0], node.pos[1] - title]);
-            const s = canvas.ds.scale;
-            const h = node.flags?.collapsed ? title : node.size[1] + title;
-            box = [x, y, x + node.size[0] * s, y + h * s];
-        }
-        rects.push({ id: node.id, type: node.type, title: node.title, box: box.map((v) => Math.round(v * 10) / 10) });
-    }
-    const overlaps = [];
-    for (let i = 0; i < rects.length; i++) {
-        for (let j = i + 1; j < rects.length; j++) {
-            const [a, b] = [rects[i].box, rects[j].box];
-            const w = Math.min(a[2], b[2]) - Math.max(a[0], b[0]);
-            const h = Math.min(a[3], b[3]) - Math.max(a[1], b[1]);
-            if (w > 0.5 && h > 0.5) overlaps.push({ a: rects[i].title, b: rects[j].title, w: Math.round(w), h: Math.round(h) });
-        }
-    }
-    return { rects, overlaps, scale: canvas.ds.scale };
-}
 
 /** The whole graph in view, as the frontend's "fit view" does. `settle`: wait for the DOM widgets and Vue nodes to
  * follow the canvas (not needed before settledRects, which waits for the rectangles to stop changing). */

@@ -2,8 +2,10 @@
 ComfyUI server with the pack, and what it writes (web/panel/rows_model.js) under Node against rows.py.
 
 tests/browser/rows.mjs edits the rows through the editor like a user and checks the `rows` text after each step,
-the saved workflow, the run's report under each row, that no node covers another, and the page reloaded; once per
-frontend (frontends.FRONTENDS) and renderer. One browser run each: every check is in the one script.
+the saved workflow, the run's report under each row, that no node covers another, and the page reloaded; then, in
+the same page, LyCORIS Loader (Wan 2.2 Experts) on two tiny Wan experts (conftest.tiny_wan): the low-noise strength
+and the expert edited through its editor, and the run's report of the row's HIGH/LOW pair, one line per expert. Once
+per frontend (frontends.FRONTENDS) and renderer. One browser run each: every check is in the one script.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 from example_models import DEMO_FILES, SD15_CHECKPOINT, YOUR_LYCORIS, YOUR_SECOND_LYCORIS
 from frontends import FRONTENDS
 from lycoris_nodes.nodes.loading.rows import Row, parse_rows, rows_text
+from make_tiny_wan import EXPERTS, LORAS
 from test_browser_panel import (  # noqa: F401 (fixtures)
     ARTIFACTS,
     BROWSER_DIR,
@@ -34,6 +37,17 @@ from test_browser_panel import (  # noqa: F401 (fixtures)
 SCRIPT = BROWSER_DIR / "rows.mjs"
 MODEL_TEST = BROWSER_DIR / "rows_editor.test.mjs"
 FILE_A, FILE_B = DEMO_FILES[YOUR_LYCORIS], DEMO_FILES[YOUR_SECOND_LYCORIS]
+WAN_HIGH, WAN_LOW = LORAS["high"][0], LORAS["low"][0]  # the tiny HIGH/LOW pair in every e2e server's loras folder
+
+
+def node(id_, type_, pos, size, inputs, outputs, values):
+    return {"id": id_, "type": type_, "pos": pos, "size": size, "flags": {}, "order": id_ - 1, "mode": 0,
+            "inputs": inputs, "outputs": outputs, "properties": {"Node name for S&R": type_}, "widgets_values": values}
+
+
+def graph(nodes: list[dict], links: list[list]) -> dict:
+    return {"last_node_id": len(nodes), "last_link_id": len(links), "nodes": nodes, "links": links, "groups": [],
+            "config": {}, "extra": {"ds": {"scale": 1, "offset": [0, 0]}}, "version": 0.4}
 
 
 def rows_workflow() -> dict:
@@ -41,12 +55,6 @@ def rows_workflow() -> dict:
     Preview as Text of its trigger words: the smallest graph that runs the node. The rows node has nothing below or
     to its right, so its editor and report can grow it."""
     initial = rows_text([Row(lora=FILE_A), Row(lora=FILE_B, strength=0.75, strength_clip=0.5)])
-
-    def node(id_, type_, pos, size, inputs, outputs, values):
-        return {"id": id_, "type": type_, "pos": pos, "size": size, "flags": {}, "order": id_ - 1, "mode": 0,
-                "inputs": inputs, "outputs": outputs, "properties": {"Node name for S&R": type_},
-                "widgets_values": values}
-
     nodes = [
         node(1, "CheckpointLoaderSimple", [40, 120], [315, 98], [],
              [{"name": "MODEL", "type": "MODEL", "links": [1]}, {"name": "CLIP", "type": "CLIP", "links": [2]},
@@ -63,18 +71,39 @@ def rows_workflow() -> dict:
         node(4, "PreviewAny", [880, 120], [300, 200], [{"name": "source", "type": "*", "link": 4}], [], []),
     ]
     links = [[1, 1, 0, 3, 0, "MODEL"], [2, 1, 1, 3, 1, "CLIP"], [3, 2, 0, 3, 2, "STRING"], [4, 3, 3, 4, 0, "STRING"]]
-    return {"last_node_id": 4, "last_link_id": 4, "nodes": nodes, "links": links, "groups": [], "config": {},
-            "extra": {"ds": {"scale": 1, "offset": [0, 0]}}, "version": 0.4}
+    return graph(nodes, links)
+
+
+def experts_workflow() -> dict:
+    """Load Diffusion Model x2 (the tiny Wan experts) -> LyCORIS Loader (Wan 2.2 Experts) (one row naming the HIGH
+    file, clip not linked) -> Preview as Text of its trigger words. Nothing below or right of the experts node."""
+    initial = rows_text([Row(lora=WAN_HIGH, strength=0.8)])
+    model = [{"name": "MODEL", "type": "MODEL", "links": [1]}]
+    nodes = [
+        node(1, "UNETLoader", [40, 120], [315, 82], [], model, [EXPERTS["high"][0], "default"]),
+        node(2, "UNETLoader", [40, 250], [315, 82], [], [{**model[0], "links": [2]}], [EXPERTS["low"][0], "default"]),
+        node(3, "LycorisExperts", [400, 120], [440, 260],
+             [{"name": "model_high", "type": "MODEL", "link": 1}, {"name": "model_low", "type": "MODEL", "link": 2},
+              {"name": "clip", "type": "CLIP", "link": None}, {"name": "lora_text", "type": "STRING", "link": None},
+              {"name": "lora_stack", "type": "LORA_STACK", "link": None}],
+             [{"name": "MODEL_HIGH", "type": "MODEL", "links": []}, {"name": "MODEL_LOW", "type": "MODEL", "links": []},
+              {"name": "CLIP", "type": "CLIP", "links": []}, {"name": "trigger_words", "type": "STRING", "links": [3]}],
+             [initial, "linear", "auto"]),
+        node(4, "PreviewAny", [880, 120], [300, 200], [{"name": "source", "type": "*", "link": 3}], [], []),
+    ]
+    links = [[1, 1, 0, 3, 0, "MODEL"], [2, 2, 0, 3, 1, "MODEL"], [3, 3, 3, 4, 0, "STRING"]]
+    return graph(nodes, links)
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("panel_server", FRONTENDS, indirect=True)
 @pytest.mark.parametrize("renderer", ["classic", "vue"])
 def test_rows_editor_in_browser(panel_server, tmp_path, renderer):  # noqa: F811
-    workflow = tmp_path / "rows.json"
+    workflow, experts = tmp_path / "rows.json", tmp_path / "experts.json"
     workflow.write_text(json.dumps(rows_workflow()), encoding="utf-8")
+    experts.write_text(json.dumps(experts_workflow()), encoding="utf-8")
     result = run_browser_script(SCRIPT, panel_server, renderer, ARTIFACTS / f"browser_rows_{renderer}.png",
-                                WORKFLOW=str(workflow))
+                                WORKFLOW=str(workflow), EXPERTS_WORKFLOW=str(experts))
     assert result["pack_issues"] == []
     # Every text the editor wrote is what rows.py writes for the rows it holds (but for the new row's file, which
     # the server refuses until the user picks one).
@@ -83,6 +112,16 @@ def test_rows_editor_in_browser(panel_server, tmp_path, renderer):  # noqa: F811
         assert rows_text(parse_rows(text)) == text, step
     assert result["saved"][0] == rows_text([Row(lora=FILE_A, strength=0.3),
                                             Row(lora=FILE_B, strength=0.75, strength_clip=0.5)])
+    # The experts node: each edit wrote what rows.py writes for the rows it asked for.
+    low = Row(lora=WAN_HIGH, strength=0.8, strength_low=0.5)
+    assert [(s["step"], s["value"]) for s in result["experts"]["steps"]] == [
+        ("low strength 0.5", rows_text([low])),
+        ("expert both", rows_text([Row(lora=WAN_HIGH, strength=0.8, strength_low=0.5, expert="both")])),
+        ("expert auto again", rows_text([low])),
+    ]
+    high_line, low_line = result["experts"]["report"]["lines"]  # the script checked each in full
+    assert WAN_HIGH in high_line and WAN_LOW in low_line and "modules applied" in high_line + low_line
+    assert result["experts"]["report"]["triggers"] == ["trigger words: tiny wan high, tiny wan low"]
 
 
 def test_rows_model_under_node():
