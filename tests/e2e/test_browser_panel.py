@@ -197,11 +197,16 @@ def node_or_fail() -> str:
     return node
 
 
-def test_block_rules_under_node():
-    """web/lycoris_block_rules.js (what the sliders write) under Node's own test runner."""
-    proc = subprocess.run([node_or_fail(), "--test", str(RULES_TEST)], cwd=BROWSER_DIR, capture_output=True,
+def run_node_tests(path: Path) -> None:
+    """A *.test.mjs file under Node's own test runner; fails with its output."""
+    proc = subprocess.run([node_or_fail(), "--test", str(path)], cwd=BROWSER_DIR, capture_output=True,
                           text=True, timeout=120, stdin=subprocess.DEVNULL, check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_block_rules_under_node():
+    """web/lycoris_block_rules.js (what the sliders write) under Node's own test runner."""
+    run_node_tests(RULES_TEST)
 
 
 # Texts and block names the panel reads weights from; the text-encoder blocks are left out (see below).

@@ -32,6 +32,7 @@ from test_browser_panel import (  # noqa: F401 (fixtures)
     node_or_fail,
     panel_server,
     run_browser_script,
+    run_node_tests,
 )
 
 SCRIPT = BROWSER_DIR / "rows.mjs"
@@ -126,9 +127,7 @@ def test_rows_editor_in_browser(panel_server, tmp_path, renderer):  # noqa: F811
 
 def test_rows_model_under_node():
     """web/panel/rows_model.js (what the editor reads and writes) under Node's own test runner."""
-    proc = subprocess.run([node_or_fail(), "--test", str(MODEL_TEST)], cwd=BROWSER_DIR, capture_output=True,
-                          text=True, timeout=120, stdin=subprocess.DEVNULL, check=False)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_node_tests(MODEL_TEST)
 
 
 # Texts rows.py reads: the editor must write each back as rows_text does.
