@@ -180,7 +180,7 @@ def _add_words(words: list[str], metadata: dict) -> None:
 
 
 @dataclass
-class Applied:
+class RowsRun:
     """What applying the entries made so far: the models by expert (None: the one model), the clip, the report."""
 
     models: dict
@@ -228,9 +228,9 @@ class Applied:
 
 
 def apply_entries(entries: list[Entry], models: dict, clip, strength_mode: str, apply_mode: str,
-                  node: str | None) -> Applied:
+                  node: str | None) -> RowsRun:
     """Every placement in order, each through apply_file as a LyCORIS Loader would (its own injection key)."""
-    out = Applied(dict(models), clip, strength_mode == "lycoris", apply_mode)
+    out = RowsRun(dict(models), clip, strength_mode == "lycoris", apply_mode)
     for i, entry in enumerate(entries):
         placed = [out.place(entry, placement, None if node is None else f"{node}:{i}:{j}")
                   for j, placement in enumerate(entry.placements)]
