@@ -26,6 +26,7 @@ everywhere.install()
 _server = getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
 if _server is not None:
     routes.register(_server.routes)
+    _server.add_on_prompt_handler(everywhere.on_prompt)  # the exact-everywhere setting is read again at each queue
 
 
 class LycorisExtension(ComfyExtension):

@@ -55,7 +55,7 @@ def no_panel_measurement(monkeypatch):
 @contextlib.contextmanager
 def switched(on: bool):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(everywhere.ENV, "1" if on else "0")
+        patch.setattr(everywhere, "SWITCH", everywhere.Switch(on, everywhere.settings_path()))
         yield
 
 
@@ -114,29 +114,56 @@ def assert_same_weights(got, want, what):
 
 # --- the switch -----------------------------------------------------------------------------------------------------
 
-def test_switch_is_the_environment_else_the_default_users_setting(tmp_path, monkeypatch, caplog):
-    monkeypatch.delenv(everywhere.ENV, raising=False)
-    monkeypatch.setattr(folder_paths, "get_user_directory", lambda: str(tmp_path))
+def test_switch_is_the_environment_else_the_default_users_setting_read_at_each_queue(tmp_path, caplog):
     settings = tmp_path / "default" / everywhere.SETTINGS_FILE
-    assert not everywhere.enabled()  # no settings file yet
-    settings.parent.mkdir()
-    settings.write_text('{"Comfy.UseNewMenu": "Top", "LycorisNodes.ExactEverywhere": true}', encoding="utf-8")
-    assert everywhere.enabled()
+    by_setting = everywhere.Switch(everywhere.environment_switch({}), settings)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(everywhere, "SWITCH", by_setting)
+        assert not everywhere.enabled()  # no settings file yet
+        settings.parent.mkdir()
+        settings.write_text('{"Comfy.UseNewMenu": "Top", "LycorisNodes.ExactEverywhere": true}', encoding="utf-8")
+        assert not everywhere.enabled()  # a file load reads nothing: the setting is read when a prompt is queued
+        assert everywhere.on_prompt({"prompt": {}}) == {"prompt": {}}
+        assert everywhere.enabled()
     settings.write_text('{"LycorisNodes.ExactEverywhere": false}', encoding="utf-8")
-    assert not everywhere.enabled()  # read again: the file changed
-    monkeypatch.setenv(everywhere.ENV, "1")
-    assert everywhere.enabled()  # the environment wins
+    by_setting.reread()
+    assert not by_setting.on
     settings.write_text('{"LycorisNodes.ExactEverywhere": true}', encoding="utf-8")
-    monkeypatch.setenv(everywhere.ENV, "0")
-    assert not everywhere.enabled()
-    monkeypatch.setenv(everywhere.ENV, "maybe")
-    with pytest.raises(ValueError, match="LYCORIS_EXACT_EVERYWHERE='maybe'"):
-        everywhere.enabled()
-    monkeypatch.delenv(everywhere.ENV)
-    settings.write_text('{"LycorisNodes.ExactEverywhere": tru', encoding="utf-8")
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        assert not everywhere.enabled()
-    assert "cannot read" in caplog.text and str(settings) in caplog.text
+    for value, on in (("1", True), (" On ", True), ("yes", True), ("0", False), ("", False), ("off", False)):
+        switch = everywhere.Switch(everywhere.environment_switch({everywhere.ENV: value}), settings)
+        switch.reread()
+        assert switch.on is on, value  # the environment wins over the setting
+    for text in ('{"LycorisNodes.ExactEverywhere": tru', "[true]"):
+        settings.write_text(text, encoding="utf-8")
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert not everywhere.Switch(None, settings).on
+    assert caplog.text.count("cannot read") == 1 and str(settings) in caplog.text  # "[true]" is JSON, just not ours
+
+
+def test_a_typo_in_the_variable_is_one_error_and_off_and_every_model_still_loads(tmp_path, monkeypatch, caplog,
+                                                                                   loras):
+    """LYCORIS_EXACT_EVERYWHERE=yes please: said once, at start-up, naming the variable; ComfyUI's loading of
+    checkpoints and LoRAs goes on as without the pack (the wrapper of load_torch_file sees every file ComfyUI loads)."""
+    checkpoint = tmp_path / "checkpoint.safetensors"
+    comfy.utils.save_torch_file({"w": torch.arange(4.0)}, str(checkpoint))
+    lora_name = write(loras, "typo_lora.safetensors", lora(TO_Q, 8, 8, seed=2))
+    everywhere.uninstall()
+    monkeypatch.setenv(everywhere.ENV, "yes please")
+    try:
+        with caplog.at_level(logging.INFO, logger=LOGGER):
+            everywhere.install()  # what start-up does
+            for _ in range(2):
+                assert torch.equal(comfy.utils.load_torch_file(str(checkpoint))["w"], torch.arange(4.0))
+                loaded = comfy.utils.load_torch_file(folder_paths.get_full_path("loras", lora_name))
+                assert not hasattr(loaded, "lycoris_file")  # off: ComfyUI's own state dict
+                assert not everywhere.enabled()
+    finally:
+        everywhere.uninstall()
+        monkeypatch.delenv(everywhere.ENV)
+        everywhere.install()
+    errors = [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
+    assert len(errors) == 1 and errors[0].levelno == logging.ERROR, caplog.text
+    assert "LYCORIS_EXACT_EVERYWHERE='yes please'" in errors[0].getMessage()
 
 
 def test_install_wraps_each_function_once_and_uninstall_restores_comfys_own():

@@ -27,8 +27,10 @@ Not the registry (`comfy.weight_adapter.adapters`): its loop offers one name at 
 or the rest of the file, and a later adapter there replaces an earlier one's patch; ComfyUI's training nodes also
 build their adapters from it, and they keep doing so, switched on or off.
 
-The switch: LYCORIS_EXACT_EVERYWHERE=1/0 in the environment wins; else the ComfyUI setting of the same meaning, read
-from the default user's settings file at each load, so switching it takes effect at the next queue.
+The switch (`Switch`): LYCORIS_EXACT_EVERYWHERE=1/0 in the environment, read once at start-up, wins (any other value
+logs one error naming the variable and counts as off: a typo must not stop ComfyUI loading its models); else the
+ComfyUI setting of the same meaning, read from the default user's settings file at start-up and again when a prompt
+is queued (`on_prompt`), so switching it takes effect at the next queue and loading a file reads nothing more.
 """
 
 import functools
@@ -57,15 +59,18 @@ ON, OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no", "")
 STATE_DICT_NAME = "a LoRA state dict (no file name)"
 
 
-def enabled() -> bool:
-    value = os.environ.get(ENV)
-    if value is not None:
-        if value.strip().lower() in ON:
-            return True
-        if value.strip().lower() in OFF:
-            return False
-        raise ValueError(f"{ENV}={value!r}: use 1 (on) or 0 (off)")
-    return user_setting(settings_path())
+def environment_switch(environ) -> bool | None:
+    """LYCORIS_EXACT_EVERYWHERE in `environ`: on, off, or None when it is not set (the setting decides). Any other value
+    logs one error naming the variable and counts as off."""
+    value = environ.get(ENV)
+    if value is None:
+        return None
+    word = value.strip().lower()
+    if word in ON or word in OFF:
+        return word in ON
+    log.error("LyCORIS: %s=%r is neither on (%s) nor off (0, false, off, no): exact everywhere stays off", ENV, value,
+              ", ".join(ON))
+    return False
 
 
 def settings_path() -> Path:
@@ -74,22 +79,47 @@ def settings_path() -> Path:
 
 
 def user_setting(path: Path) -> bool:
+    """The setting as the file says now; a missing file is off, an unreadable one is off and logged."""
     try:
-        stat = path.stat()
+        settings = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return False
-    return _setting_in(str(path), stat.st_mtime_ns, stat.st_size)
-
-
-@functools.lru_cache(maxsize=4)
-def _setting_in(path: str, mtime_ns: int, size: int) -> bool:
-    """The switch as this version of the file says (keyed by mtime and size: a changed file is read again)."""
-    try:
-        settings = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         log.warning("LyCORIS: cannot read %s (%s): '%s' taken as off", path, e, SETTING)
         return False
-    return settings.get(SETTING) is True
+    return isinstance(settings, dict) and settings.get(SETTING) is True
+
+
+class Switch:
+    """Whether exact everywhere is on: the environment as start-up found it, else the setting as last read."""
+
+    def __init__(self, environment: bool | None, settings_file: Path):
+        self.environment, self.settings_file = environment, settings_file
+        self.setting = False
+        self.reread()
+
+    def reread(self) -> None:
+        """Read the setting again (at start-up and when a prompt is queued); the environment, when set, wins."""
+        if self.environment is None:
+            self.setting = user_setting(self.settings_file)
+
+    @property
+    def on(self) -> bool:
+        return self.environment if self.environment is not None else self.setting
+
+
+SWITCH: Switch | None = None  # made by install(), at start-up
+
+
+def enabled() -> bool:
+    return SWITCH is not None and SWITCH.on
+
+
+def on_prompt(json_data: dict) -> dict:
+    """ComfyUI's on-prompt hook (a prompt was queued): the setting may have been switched since the last queue."""
+    if SWITCH is not None:
+        SWITCH.reread()
+    return json_data
 
 
 class LoraStateDict(dict):
@@ -131,7 +161,7 @@ def parsed(lora) -> LycorisFile:
 def wrap_load_torch_file(original):
     @functools.wraps(original)
     def load_torch_file(ckpt, *args, **kwargs):
-        if not (enabled() and in_loras_folder(ckpt)):
+        if not (in_loras_folder(ckpt) and enabled()):  # every file ComfyUI loads passes here: the folder first
             return original(ckpt, *args, **kwargs)
         lfile = cache.read(ckpt)  # the pack's checks and named errors, before ComfyUI reads anything
         result = original(ckpt, *args, **kwargs)
@@ -227,7 +257,10 @@ INSTALLED = "__lycoris_everywhere__"
 
 
 def install() -> None:
-    """Wrap ComfyUI's functions once per process (a reimported pack finds its wrappers in place)."""
+    """Read the switch, and wrap ComfyUI's functions once per process (a reimported pack finds its wrappers in
+    place)."""
+    global SWITCH
+    SWITCH = Switch(environment_switch(os.environ), settings_path())
     for module, name, wrap in WRAPPED:
         original = getattr(module, name, None)
         if original is None or getattr(original, INSTALLED, False):
