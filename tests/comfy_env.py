@@ -14,6 +14,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # Our kernels default to the plain torch backend under test (no GPU, reproducible numbers).
 os.environ.setdefault("LYCORIS_KERNEL_BACKEND", "torch")
 
+# Set by .ci/run: a test may then skip only for the version matrix (tests/conftest.py), and a missing test dependency
+# fails instead of skipping.
+IN_CI = os.environ.get("LYCORIS_CI") == "1"
+
 
 def find_comfyui() -> Path:
     """The ComfyUI folder: $COMFYUI_PATH, else the copy scripts/setup.sh makes in .deps/ComfyUI."""

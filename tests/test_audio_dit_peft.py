@@ -39,17 +39,16 @@ import re
 import comfy.model_management
 import comfy.model_patcher
 import comfy.supported_models
+import diffusers
+import peft
 import pytest
 import test_nodes
 import torch
 from lycoris_nodes.nodes.glue.apply import map_file
 from lycoris_nodes.nodes.glue.cache import read
 from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
-from test_nodes import run_node, weights_after_full_load
-
-peft = pytest.importorskip("peft")
-diffusers = pytest.importorskip("diffusers")
 from reference.lycoris_factory import SEED
+from test_nodes import run_node, weights_after_full_load
 from test_peft_dit import adapted, assert_weights_match, merged_parameters, put
 from test_trainer_names_image import CONFIGS
 from test_video_dit_peft import Arch, comfy_model, lycoris_network

@@ -305,7 +305,7 @@ PEFT_FORMS = {  # variant -> which layers have a form at strength 1 and below 1 
 @pytest.mark.parametrize("variant_id", sorted(PEFT_FORMS))
 def test_forms_equal_peft_merge(variant_id):
     """Files PEFT wrote, bypassed with a bias, against PEFT's merge_and_unload (W + m·(W_PEFT − W))."""
-    peft_formats = pytest.importorskip("test_peft_formats")
+    import test_peft_formats as peft_formats
     _, state, truth = peft_formats.make_adapter(variant_id)
     lfile = parse_state_dict(peft_formats._with_options(state, variant_id), variant_id)
     at_one, below_one = PEFT_FORMS[variant_id]

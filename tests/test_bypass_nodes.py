@@ -709,7 +709,7 @@ def fp32_net(seed=3):
 
 
 @pytest.mark.skipif(not hasattr(comfy.model_management, "lora_compute_dtype"),
-                    reason="0.3.75 merges through an fp32 copy")
+                    reason="ComfyUI 0.3.75 merges through an fp32 copy (it has no lora_compute_dtype)")
 def test_auto_bypasses_fp32_layers_comfy_would_merge_through_fp16(monkeypatch):
     """ComfyUI 0.33 merges a fully loaded weight through a copy in lora_compute_dtype (fp16 on most NVIDIA GPUs), so
     an fp32 W is rounded to fp16 before any adapter runs. Auto then adds the change at run time (weights and bias

@@ -36,6 +36,8 @@ import comfy.model_management
 import comfy.model_patcher
 import comfy.supported_models
 import comfy.utils
+import diffusers
+import peft
 import pytest
 import test_nodes
 import torch
@@ -43,12 +45,9 @@ from lycoris_nodes.nodes.glue.apply import map_file
 from lycoris_nodes.nodes.glue.cache import read
 from lycoris_nodes.nodes.glue.keymap import FUSED_PROJECTIONS
 from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
-from test_nodes import run_node, weights_after_full_load
-
-peft = pytest.importorskip("peft")
-diffusers = pytest.importorskip("diffusers")
 from reference.lycoris_factory import SEED, Lazy
 from test_block_weights import effective_weight
+from test_nodes import run_node, weights_after_full_load
 from test_peft_dit import adapted, check_node_result, comfy_key, flux, merged_parameters, put  # noqa: F401 (fixture)
 from test_video_dit_peft import archs, check_file, lycoris_network  # noqa: F401 (fixture)
 

@@ -29,7 +29,7 @@ import pytest
 import test_nodes
 import torch
 import torch.nn.functional as F
-from comfy_env import REPO_ROOT
+from comfy_env import IN_CI, REPO_ROOT
 from lycoris import LycorisNetwork, create_lycoris
 from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
 from node_runner import execute
@@ -51,7 +51,7 @@ loras = test_nodes.loras  # fixture
 try:
     import gguf
 except ImportError:
-    if os.environ.get("CI"):  # CI must run these tests: a missing dependency is a failure there
+    if IN_CI:  # CI must run these tests: a missing dependency is a failure there
         raise
     pytest.skip("gguf (requirements-dev.txt) is not installed: run scripts/setup.sh", allow_module_level=True)
 
@@ -94,7 +94,7 @@ def gguf_pack():
     if not (PACK_DIR / "__init__.py").is_file():
         why = (f"ComfyUI-GGUF is not unpacked at {PACK_DIR}: scripts/setup.sh unpacks it from "
                "../shared/comfyui-gguf/ComfyUI-GGUF-*.tar.gz")
-        if os.environ.get("CI"):
+        if IN_CI:
             pytest.fail(why)
         pytest.skip(why)
     return _load_pack()

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import comfy.model_management
 import comfy.supported_models as supported
+import diffusers  # noqa: F401  (an oracle of this module: its import error is a failure, not a skip)
+import peft  # noqa: F401  (an oracle of this module: its import error is a failure, not a skip)
 import pytest
 import test_nodes
 import torch
@@ -34,14 +36,11 @@ from lycoris_nodes.nodes.glue.coverage import BY_DESIGN, NO_CLIP, NOT_CONNECTED
 from lycoris_nodes.nodes.glue.keymap import lora_key_map, model_shapes
 from lycoris_nodes.nodes.inspection.info import LycorisInfo
 from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
+from reference.lycoris_factory import Lazy
 from test_coverage import panel, run
 from test_nodes import LOGGER, TE_Q, TO_Q, TO_Q_KEY, lora, run_node, weights_after_full_load, write
-from test_trainer_names import LORA, LTX2_CONFIG, LTXV_CONFIG, PEFT, WAN_CONFIG, WAN_I2V_CONFIG, _module
-
-pytest.importorskip("peft")
-pytest.importorskip("diffusers")
-from reference.lycoris_factory import Lazy
 from test_peft_dit import put
+from test_trainer_names import LORA, LTX2_CONFIG, LTXV_CONFIG, PEFT, WAN_CONFIG, WAN_I2V_CONFIG, _module
 from test_video_dit_peft import build, lycoris_file, peft_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors

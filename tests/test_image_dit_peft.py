@@ -19,6 +19,8 @@ qkv compared third by third), and every other weight stay as it was.
 import comfy.model_management
 import comfy.model_patcher
 import comfy.supported_models
+import diffusers
+import peft
 import pytest
 import test_nodes
 import torch
@@ -26,9 +28,6 @@ from lycoris_nodes.nodes.glue.apply import map_file
 from lycoris_nodes.nodes.glue.cache import read
 from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
 from test_nodes import run_node, weights_after_full_load
-
-peft = pytest.importorskip("peft")
-diffusers = pytest.importorskip("diffusers")
 from test_peft_dit import adapted, assert_weights_match, merged_parameters, put
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),

@@ -28,6 +28,8 @@ import copy
 
 import comfy.model_management
 import comfy.supported_models
+import diffusers  # noqa: F401  (an oracle of this module: its import error is a failure, not a skip)
+import peft
 import pytest
 import test_nodes
 import torch
@@ -38,13 +40,10 @@ from lycoris_nodes.nodes.glue.cache import read
 from lycoris_nodes.nodes.glue.keymap import TRAINED_ON_COMFY, TRAINED_ON_ORIGINAL, TRAINED_ON_UNKNOWN
 from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
 from lycoris_nodes.nodes.tools.convert import LycorisConvert
-from test_nodes import run_node, weights_after_full_load
-
-peft = pytest.importorskip("peft")
-pytest.importorskip("diffusers")
 from reference.lycoris_factory import SEED
 from safetensors.torch import save
 from test_fused_split import bypassed_weights
+from test_nodes import run_node, weights_after_full_load
 from test_peft_dit import merged_parameters, put
 from test_tools_resize import write
 from test_video_dit_peft import PREFIX, RANK, STRENGTHS, archs  # noqa: F401 (fixture)

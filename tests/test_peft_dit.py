@@ -29,20 +29,19 @@ import comfy.model_management
 import comfy.model_patcher
 import comfy.supported_models
 import comfy.utils
+import peft
 import pytest
 import test_nodes
 import torch
 from comfy.ldm.flux.model import FluxParams
+from diffusers import FluxPipeline, FluxTransformer2DModel
 from einops import rearrange
 from lycoris_nodes.nodes.glue.apply import map_file
 from lycoris_nodes.nodes.glue.cache import read
 from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
-from test_nodes import run_node, weights_after_full_load
-
-peft = pytest.importorskip("peft")
-boft_layer = pytest.importorskip("peft.tuners.boft.layer")
-from diffusers import FluxPipeline, FluxTransformer2DModel
+from peft.tuners.boft import layer as boft_layer
 from peft.tuners.tuners_utils import BaseTunerLayer
+from test_nodes import run_node, weights_after_full_load
 from test_peft_formats import FakeBlockDiagKernel
 
 loras = test_nodes.loras

@@ -11,6 +11,7 @@ import copy
 import json
 import warnings
 
+import peft
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,11 +21,9 @@ from lycoris_nodes.lycoris_core.bypass import Contribution, LayerOp, layer_outpu
 from lycoris_nodes.lycoris_core.keys import split_key
 from lycoris_nodes.lycoris_core.module import detect
 from lycoris_nodes.lycoris_core.summary import summarize
+from peft.tuners.boft import layer as boft_layer
 from safetensors.torch import save_file
 from torch import nn
-
-peft = pytest.importorskip("peft")
-boft_layer = pytest.importorskip("peft.tuners.boft.layer")
 
 PREFIX = "base_model.model."
 STRENGTHS = (1.0, 0.5, -1.0)

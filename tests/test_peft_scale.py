@@ -23,11 +23,7 @@ from torch import nn
 if str(REPO_ROOT) not in sys.path:
     sys.path.append(str(REPO_ROOT))  # appended, not prepended: ComfyUI's own `nodes` must keep winning
 
-import lycoris_core
-from lycoris_core import peft_config
-from lycoris_core.bypass import Contribution, LayerOp, layer_output
-
-peft = pytest.importorskip("peft")
+import peft
 import test_nodes
 from diffusers.loaders import StableDiffusionLoraLoaderMixin, StableDiffusionXLLoraLoaderMixin
 from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
@@ -35,6 +31,10 @@ from peft import LoHaConfig, LoKrConfig, LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 from test_coverage import panel, run
+
+import lycoris_core
+from lycoris_core import peft_config
+from lycoris_core.bypass import Contribution, LayerOp, layer_output
 
 # test_nodes' fixtures: the tiny SD1.5 (model, clip) and an empty loras folder that ComfyUI lists
 sd15 = test_nodes.sd15

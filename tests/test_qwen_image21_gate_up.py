@@ -20,15 +20,14 @@ truth is diffusers' own QwenImage21Transformer2DModel of the same sizes holding 
 import comfy.model_management
 import comfy.model_patcher
 import comfy.supported_models
+import diffusers
+import peft
 import pytest
 import test_nodes
 import torch
 from lycoris_nodes.nodes.glue.apply import map_file
 from lycoris_nodes.nodes.glue.cache import read
 from lycoris_nodes.nodes.glue.keymap import COMFY_BUILDERS, extend
-
-peft = pytest.importorskip("peft")
-diffusers = pytest.importorskip("diffusers")
 from reference.lycoris_factory import SEED
 from test_fused_split import LYCORIS, check_node, saved_lycoris
 from test_peft_dit import adapted, merged_parameters, put

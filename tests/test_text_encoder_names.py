@@ -295,7 +295,7 @@ TOLERANCE = 1e-4  # of the largest change of each weight
 @pytest.fixture(scope="module")
 def qwen3_pair():
     """ComfyUI's Z-Image text encoder (fp32, CPU, tiny) and transformers' Qwen3ForCausalLM holding its weights."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from comfy.text_encoders import z_image
 
     tiny = {"hidden_size": HIDDEN, "intermediate_size": INNER, "num_hidden_layers": LAYERS,
@@ -315,7 +315,7 @@ def qwen3_pair():
 
 @pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
 def test_peft_file_on_a_language_model_text_encoder_equals_peft_merge(dora, qwen3_pair, tmp_path):
-    peft = pytest.importorskip("peft")
+    import peft
     comfy_te, twin = qwen3_pair
     torch.manual_seed(7 + dora)
     model = peft.get_peft_model(copy.deepcopy(twin), peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,

@@ -257,7 +257,7 @@ def test_ltx2_connector_names_are_diffusers_modules(video_models):
     no Linear and keep ComfyUI's name (not read under diffusers')."""
     if not hasattr(supported, "LTXAV"):
         pytest.skip(HERE.format("LTXAV"))
-    connectors = pytest.importorskip("diffusers.pipelines.ltx2.connectors")
+    from diffusers.pipelines.ltx2 import connectors
     model = video_models["ltx2"]
     with torch.device("meta"):
         twin = connectors.LTX2TextConnectors(video_connector_num_layers=1, audio_connector_num_layers=1)

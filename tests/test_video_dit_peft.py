@@ -63,21 +63,20 @@ import comfy.lora
 import comfy.model_management
 import comfy.model_patcher
 import comfy.supported_models
+import diffusers
+import peft
 import pytest
 import test_nodes
 import torch
+from derive_names import derive
+from diffusers.loaders import single_file_utils
+from lycoris import LycorisNetwork, create_lycoris
 from lycoris_nodes.nodes.glue.apply import map_file
 from lycoris_nodes.nodes.glue.cache import read
 from lycoris_nodes.nodes.glue.keymap import model_shapes
 from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
-from test_nodes import run_node, weights_after_full_load
-
-peft = pytest.importorskip("peft")
-diffusers = pytest.importorskip("diffusers")
-from derive_names import derive
-from diffusers.loaders import single_file_utils
-from lycoris import LycorisNetwork, create_lycoris
 from reference.lycoris_factory import SEED, Lazy, _class_presets_restored, _randomise
+from test_nodes import run_node, weights_after_full_load
 from test_peft_dit import adapted, assert_weights_match, merged_parameters, put
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: thread hand-offs cost more than the maths
