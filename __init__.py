@@ -5,7 +5,7 @@ import sys
 from comfy_api.latest import ComfyExtension, io
 
 from .nodes.glue import everywhere, routes
-from .nodes.inspection import info
+from .nodes.inspection import block_info, info
 from .nodes.loading import loaders, row_loader, weighting
 from .nodes.scheduling import schedule, stack
 from .nodes.tools import convert, extract, resize, save
@@ -31,7 +31,7 @@ if _server is not None:
 
 class LycorisExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [*loaders.NODES, *row_loader.NODES, info.LycorisInfo, *weighting.NODES, *stack.NODES, *schedule.NODES,
+        return [*loaders.NODES, *row_loader.NODES, info.LycorisInfo, *weighting.NODES, block_info.LycorisBlockInfo, *stack.NODES, *schedule.NODES,
                 *save.NODES, *resize.NODES, *extract.NODES, *convert.NODES]
 
 

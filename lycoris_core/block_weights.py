@@ -52,10 +52,6 @@ class BlockWeights:
                 weight = rule.weight
         return weight
 
-    @property
-    def is_uniform(self) -> bool:
-        return not self.rules and self.default == 1.0
-
 
 def key_path(model_key: str) -> tuple[str, ...]:
     """A weight key as the path rules match: `input_blocks.4.1.proj_in.weight`, `te.clip_l.layers.5.mlp.fc1.weight`."""

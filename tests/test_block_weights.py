@@ -35,9 +35,10 @@ from lycoris_nodes.lycoris_core import LycorisError
 from lycoris_nodes.lycoris_core.block_weights import parse
 from lycoris_nodes.lycoris_core.blocks import block_of
 from lycoris_nodes.nodes.glue import report as panel_report
+from lycoris_nodes.nodes.inspection.block_info import LycorisBlockInfo
 from lycoris_nodes.nodes.loading import presets
 from lycoris_nodes.nodes.loading.loaders import LycorisLoader
-from lycoris_nodes.nodes.loading.weighting import LycorisBlockInfo, LycorisBlockWeights
+from lycoris_nodes.nodes.loading.weighting import LycorisBlockWeights
 from node_runner import execute
 from patcher_util import assert_rounded_from
 from reference.lycoris_factory import Lazy, _class_presets_restored, _randomise, attach, plain_copy

@@ -20,9 +20,10 @@ import torch
 from lycoris_nodes.lycoris_core import LycorisError, SafetensorsFile
 from lycoris_nodes.lycoris_core import safetensors_file as reader_module
 from lycoris_nodes.nodes.glue import cache
+from lycoris_nodes.nodes.inspection.block_info import LycorisBlockInfo
 from lycoris_nodes.nodes.inspection.info import LycorisInfo
 from lycoris_nodes.nodes.loading.loaders import LycorisLoader, LycorisLoaderModelOnly
-from lycoris_nodes.nodes.loading.weighting import LycorisBlockInfo, LycorisBlockWeights
+from lycoris_nodes.nodes.loading.weighting import LycorisBlockWeights
 from lycoris_nodes.nodes.scheduling.schedule import LycorisHook
 from lycoris_nodes.nodes.scheduling.stack import LycorisStack
 from node_runner import execute

@@ -21,9 +21,9 @@ import pytest
 import test_nodes
 import torch
 from comfy_extras.nodes_hooks import SetClipHooks
+from lycoris_nodes.nodes.inspection.block_info import LycorisBlockInfo
 from lycoris_nodes.nodes.inspection.info import LycorisInfo
 from lycoris_nodes.nodes.loading.loaders import LycorisLoader
-from lycoris_nodes.nodes.loading.weighting import LycorisBlockInfo
 from lycoris_nodes.nodes.scheduling.schedule import LycorisHook
 from node_runner import map_node
 from patcher_util import CPU

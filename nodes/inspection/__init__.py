@@ -1,1 +1,1 @@
-"""LyCORIS Info: what a file is, and what it does to a model."""
+"""What a file is, and what it does to a model: LyCORIS Info and LyCORIS Block Info."""

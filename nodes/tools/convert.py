@@ -2,7 +2,7 @@
 
 Names come from the model: every module is placed by the loader's own mapping (apply.map_file, ComfyUI's key map
 extended with diffusers/PEFT names), and the weight it lands on is named in the target style (kohya: the name
-every LoRA tool and ComfyUI's core loader read, tools_common.file_names; diffusers: what save_lora_weights writes,
+every LoRA tool and ComfyUI's core loader read, tools/common.py: file_names; diffusers: what save_lora_weights writes,
 convert.diffusers_names). The tensors are converted by lycoris_core/tools/convert.py. Every written module is
 then read back by the loader's own parser and maths and compared with the source module's change: a module that
 does not reproduce it (relative 1e-5, fp32) is not written. What cannot be converted is reported per module with
