@@ -251,3 +251,41 @@ def test_nodes_imports_only_go_down():
         imported = pack_imports(path) - {f"nodes.{own}", "lycoris_core"}
         allowed = set() if own == "glue" else {"nodes.glue"}
         assert imported <= allowed, f"{path.relative_to(REPO_ROOT)} imports {sorted(imported - allowed)}"
+
+
+# What ComfyUI puts on sys.path: lycoris_core is pure torch + safetensors and must import none of it.
+COMFY_MODULES = ("comfy", "comfy_api", "comfy_execution", "comfy_extras", "folder_paths", "server", "nodes",
+                 "execution", "node_helpers", "latent_preview", "app", "utils")
+
+
+def test_lycoris_core_never_imports_comfy():
+    """Read (every import statement of lycoris_core/) and run (every module imported as a top-level package in a
+    fresh interpreter where importing any of COMFY_MODULES raises): lycoris_core stays usable without ComfyUI, and a
+    relative import cannot climb out of it into the pack."""
+    core = REPO_ROOT / "lycoris_core"
+    for path in sorted(core.rglob("*.py")):
+        depth = len(path.relative_to(core).parts) - 1  # 0 for lycoris_core/x.py
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            assert not [n for n in names if n.split(".")[0] in COMFY_MODULES], f"{path} imports {names}"
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level <= depth + 1, f"{path}: a relative import above lycoris_core ({node.module})"
+    script = (
+        "import importlib, importlib.abc, pkgutil, sys\n"
+        f"BLOCKED = {COMFY_MODULES!r}\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in BLOCKED:\n"
+        "            raise ImportError(f'lycoris_core imported {name}')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import lycoris_core\n"
+        "names = [m.name for m in pkgutil.walk_packages(lycoris_core.__path__, 'lycoris_core.')]\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        "print(len(names))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, check=False,
+                            timeout=300, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert int(result.stdout.split()[-1]) >= 20  # every module was imported, algorithms and tools included
