@@ -5,7 +5,7 @@ strength 1 (every algorithm's change is linear in the strength there). It used t
 patch pass over each touched weight: 0.25 s on one SDXL transformer block, six times the re-patching itself,
 bench/README.md); now a strength change rescales the chart measured once for that model and file.
 
-Truth: the chart measured from scratch at the new strength (nodes.report.block_changes, which
+Truth: the chart measured from scratch at the new strength (nodes/glue/report.py: block_changes, which
 test_report_unpatched checks against float64 norms). Under LyCORIS semantics (strength_mode "lycoris") DoRA and OFT
 are not linear in the strength, so the chart is measured at every run there.
 """
@@ -28,7 +28,7 @@ loras = test_nodes.loras
 
 @pytest.fixture()
 def measured(monkeypatch):
-    """How many weights the panel measured (calls of nodes.report.change_norms, the per-weight patch pass)."""
+    """How many weights the panel measured (calls of glue/report.py: change_norms, the per-weight patch pass)."""
     calls = []
     original = report.change_norms
 

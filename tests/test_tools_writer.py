@@ -161,7 +161,7 @@ def test_outputs_go_in_the_loras_folder_and_are_listed(two_loras_folders):
 # --- killed writes -----------------------------------------------------------------------------------------------------
 
 # The child: the pack's writer (lycoris_core needs no ComfyUI) writing arange(numel) to folder/name, recording its
-# start time as the nodes do (psutil, as tools_common.process_started). `links` "none"
+# start time as the nodes do (psutil, as tools/common.py: process_started). `links` "none"
 # makes os.link fail as on FAT; `hook` picks the step at which it SIGKILLs itself ("before_move": the os.link or
 # os.replace that moves the complete file into place; "after_move": the folder fsync that follows), or pauses there
 # until a line arrives on stdin ("pause_before_move"), or "none".

@@ -6,7 +6,7 @@ import { DROP_CORE, DROP_OURS, DROP_SETTING, registerModelDrops } from "./model_
 
 // --- Exact everywhere ------------------------------------------------------------------------------------------------
 //
-// The server reads this setting (nodes/everywhere.py) each time ComfyUI loads a LoRA. ComfyUI keeps each node's
+// The server reads this setting (nodes/glue/everywhere.py) when a prompt is queued. ComfyUI keeps each node's
 // outputs while its inputs stay the same, so after a switch every loader would still hand on the models it patched
 // before: the switch asks the server to drop them (/free, as ComfyUI's own "Unload models" button does), and the
 // next queue loads every LoRA again, the new way. Frontends call onChange once at start-up with no old value.
