@@ -17,7 +17,8 @@ from comfy_env import REPO_ROOT
 from lycoris_nodes.lycoris_core import LycorisError
 from lycoris_nodes.lycoris_core import summary as summary_module
 from lycoris_nodes.lycoris_core.blocks import block_of
-from lycoris_nodes.lycoris_core.summary import declared_family, family_id, infer_family, summarize, trigger_words
+from lycoris_nodes.lycoris_core.families import declared_family, family_id, infer_family
+from lycoris_nodes.lycoris_core.summary import summarize, trigger_words
 from lycoris_nodes.nodes.glue.cache import read
 from safetensors import safe_open
 from safetensors.torch import save_file

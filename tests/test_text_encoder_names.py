@@ -23,7 +23,7 @@ import comfy.sdxl_clip
 import pytest
 import torch
 from lycoris_nodes.lycoris_core import parse_state_dict
-from lycoris_nodes.lycoris_core.summary import infer_family
+from lycoris_nodes.lycoris_core.families import infer_family
 from lycoris_nodes.nodes.glue.apply import build_patches
 from lycoris_nodes.nodes.glue.cache import read
 from lycoris_nodes.nodes.glue.coverage import BY_DESIGN, family_verdict
@@ -367,7 +367,7 @@ HV_TE = {"lora_te1_layers_0_self_attn_q_proj": 4096, "lora_te1_layers_0_mlp_down
                  "a Llama 3 8B text encoder (HunyuanVideo, HiDream)", id="llama-no-place"),
     pytest.param({"base_model.model.model.language_model.layers.0.self_attn.q_proj": 3840,
                   "base_model.model.model.language_model.layers.0.mlp.down_proj": 15360}, "LTX-2", id="ltx2-gemma3"),
-    # shared encoders (ComfyUI 0.33's supported_models clip_target, summary.LANGUAGE_MODEL_ENCODERS): the encoder and
+    # shared encoders (ComfyUI 0.33's supported_models clip_target, families.LANGUAGE_MODEL_ENCODERS): the encoder and
     # every family that runs it; OneTrainer's Qwen-Image names (OT_QWEN, KOHYA)
     pytest.param({"lora_te_model_language_model_layers_0_self_attn_q_proj": 3584,
                   "lora_te_model_language_model_layers_0_mlp_down_proj": 18944}, QWEN25_SHARED, id="qwen25vl-shared"),

@@ -14,7 +14,7 @@ import comfy.supported_models as supported
 import pytest
 import torch
 from derive_names import derive
-from lycoris_nodes.lycoris_core.summary import infer_family
+from lycoris_nodes.lycoris_core.families import infer_family
 from test_trainer_names import LORA, PEFT, PEFT_DEFAULT, ZIMAGE_CONFIG, _report
 
 pytestmark = pytest.mark.usefixtures("one_thread")

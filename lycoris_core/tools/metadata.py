@@ -6,7 +6,7 @@ import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..summary import family_id
+from ..families import family_id
 
 # family_id -> (modelspec.architecture stem, ss_base_model_version)
 ARCHITECTURES: dict[str, tuple[str, str]] = {

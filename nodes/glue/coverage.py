@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ...lycoris_core import LycorisError, LycorisFile, Module, Plan
-from ...lycoris_core.summary import compact_name, declared_family, family_id, family_ids, infer_family
+from ...lycoris_core.families import compact_name, declared_family, family_id, family_ids, infer_family
 
 # Prefixes trainers use for text-encoder modules: explains a miss when no CLIP is connected.
 TEXT_ENCODER_PREFIXES = ("lora_te", "lora_prior_te", "text_encoder", "text_encoders.", "te_", "te1_", "te2_")
