@@ -6,8 +6,9 @@ ComfyUI does not roll back a patch that raises half-way, and clones share one mo
 
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -175,12 +176,78 @@ OTHER_OPTIONS = {"peft-oft": "COFT, exact Cayley, another number of Neumann term
                  "peft-ia3": "these layers in its feedforward_modules, so their inputs are scaled"}
 
 
+@dataclass(frozen=True)
+class GroupedKeys:
+    """A state dict's keys, grouped by module as both the loader and the summary read them."""
+
+    groups: dict[str, dict[str, torch.Tensor]]  # module prefix -> its keys (canonical suffix -> tensor), file order
+    unused: list[UnusedKey]  # keys of no algorithm, then module configs that cannot be read
+    configs: list[ModuleConfig]  # `<module>.config` entries: read, not applied
+    tensors: Mapping[str, torch.Tensor]  # the state dict without its module configs
+
+
+def grouped_keys(state_dict: Mapping[str, torch.Tensor], file: str | None = None) -> GroupedKeys:
+    """Module configs set aside, the other keys grouped (group_keys: a module with two keys meaning the same
+    suffix refuses the file)."""
+    tensors, configs, unreadable = split_configs(state_dict)
+    groups, unknown = group_keys(tensors, file)
+    return GroupedKeys(groups, unknown + [UnusedKey(key, reason) for key, reason in unreadable], configs, tensors)
+
+
+@dataclass(frozen=True)
+class ParsedGroup:
+    """A key group that parsed: its modules (none when no algorithm uses this combination of keys, and then every
+    key is unused) and the keys they leave unused."""
+
+    prefix: str
+    keys: dict[str, torch.Tensor]
+    modules: tuple[Module, ...]
+    unused: tuple[UnusedKey, ...]
+    options: dict[str, Any]  # its PEFT config's options (peft_config.module_options), what its alpha may come from
+
+
+@dataclass(frozen=True)
+class DamagedGroup:
+    """A key group no module can be built from (tensors that do not fit each other or their algorithm): the loader
+    refuses the file with `error`, which names file and key; the summary reports the module as damaged."""
+
+    prefix: str
+    keys: dict[str, torch.Tensor]
+    error: LycorisError
+
+    @property
+    def key(self) -> str:
+        return self.error.key or self.prefix
+
+    @property
+    def reason(self) -> str:
+        return self.error.reason
+
+
+def parse_groups(groups: Mapping[str, dict[str, torch.Tensor]], file: str | None,
+                 config: PeftConfig | None) -> Iterator[ParsedGroup | DamagedGroup]:
+    """Each key group built into its modules, in file order: the one parse the loader and the summary share, each
+    applying its own rule to a DamagedGroup (the loader refuses the file, the summary reports the module). Lazy, so
+    the loader stops at the first damaged group and releases each group's pages before the next is read."""
+    for prefix, group in groups.items():
+        options = module_options(config, prefix)
+        try:
+            built, leftover = build_modules(prefix, group, file, options, module_name(config, prefix))
+        except LycorisError as error:
+            yield DamagedGroup(prefix, group, error)
+            continue
+        reason = f"not read by {built[0].label}" if built else "no LyCORIS algorithm uses this combination of keys"
+        yield ParsedGroup(prefix, group, tuple(built), tuple(UnusedKey(f"{prefix}.{suffix}", reason)
+                                                             for suffix in leftover), options)
+
+
 def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state dict>",
                      metadata: Mapping[str, str] | None = None,
                      checked: Callable[[torch.Tensor], None] | None = None,
                      config: PeftConfig | None = None) -> LycorisFile:
     """`config`: the PEFT config of a PEFT/diffusers file (peft_config.read_config); by default the one in the
-    metadata, if any."""
+    metadata, if any. The loader's rule over parse_groups: a damaged module refuses the whole file, naming file and
+    key (patching must not be able to fail later)."""
     if not state_dict:
         raise LycorisError("the file holds no tensors", file=name)
     check_values(state_dict, name, checked)
@@ -189,28 +256,26 @@ def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state
             config = from_metadata(metadata or {})
         except LycorisError as e:
             raise e.located(file=name) from e
-    state_dict, configs, unreadable = split_configs(state_dict)
-    groups, unused = group_keys(state_dict, name)
-    named = adapter_named(state_dict)
-    unused += [UnusedKey(key, reason) for key, reason in unreadable]
+    keys = grouped_keys(state_dict, name)
+    named = adapter_named(keys.tensors)
+    unused = list(keys.unused)
     modules: dict[str, Module] = {}
-    for prefix, group in groups.items():
-        built, leftover = build_modules(prefix, group, name, module_options(config, prefix),
-                                        module_name(config, prefix))
+    for parsed in parse_groups(keys.groups, name, config):
+        if isinstance(parsed, DamagedGroup):  # the loader's rule: nothing of a file that could fail half-way patched
+            raise parsed.error
         if checked is not None:  # reading alpha faulted in the pages around it, mostly this module's own tensors
-            for tensor in group.values():
+            for tensor in parsed.keys.values():
                 checked(tensor)
-        reason = f"not read by {built[0].label}" if built else "no LyCORIS algorithm uses this combination of keys"
-        unused += [UnusedKey(f"{prefix}.{suffix}", reason) for suffix in leftover]
-        for module in built:
-            modules[f"{prefix}.{module.param}"] = replace(module, adapter_named=prefix in named)
+        unused += parsed.unused
+        for module in parsed.modules:
+            modules[f"{parsed.prefix}.{module.param}"] = replace(module, adapter_named=parsed.prefix in named)
     if not modules:
-        raise LycorisError(f"no LyCORIS/LoRA module found among {len(state_dict)} keys "
-                           f"(e.g. '{next(iter(state_dict))}'); is this an adapter file?", file=name)
+        raise LycorisError(f"no LyCORIS/LoRA module found among {len(keys.tensors)} keys "
+                           f"(e.g. '{next(iter(keys.tensors))}'); is this an adapter file?", file=name)
     warnings = scale_warnings(name, list(modules.values()), metadata or {})
     warnings += option_warnings(name, ((m, m.layout) for m in modules.values()))
-    notes = [config_note(name, configs)] if configs else []
-    return LycorisFile(name, modules, unused, dict(metadata or {}), warnings, configs, notes)
+    notes = [config_note(name, keys.configs)] if keys.configs else []
+    return LycorisFile(name, modules, unused, dict(metadata or {}), warnings, keys.configs, notes)
 
 
 def load(path: str | os.PathLike, temp_dir: str | os.PathLike | None = None) -> LycorisFile:

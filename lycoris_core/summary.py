@@ -13,14 +13,22 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .algos import LAYOUT_ONLY_KEYS
-from .algos.base import ShapeError
 from .errors import MAX_NAME, LycorisError, clipped
 from .families import declared_family, infer_family
 from .keys import ALPHA, DORA_SCALE
-from .lycoris_file import group_keys, metadata_json, option_warnings, scale_warnings, software_name
-from .module import Module, build_modules
-from .module_config import MAX_BYTES, config_note, is_config_key, split_configs
-from .peft_config import PATTERN_KEYS, PeftConfig, module_name, module_options, read_config
+from .lycoris_file import (
+    DamagedGroup,
+    ParsedGroup,
+    grouped_keys,
+    metadata_json,
+    option_warnings,
+    parse_groups,
+    scale_warnings,
+    software_name,
+)
+from .module import Module
+from .module_config import MAX_BYTES, config_note, is_config_key
+from .peft_config import PATTERN_KEYS, PeftConfig, read_config
 from .safetensors_file import SafetensorsFile
 from .trainers import made_by
 
@@ -200,32 +208,23 @@ def summarize(path) -> FileSummary:
 
 def _summarize(path, reader: SafetensorsFile) -> FileSummary:
     config = read_config(path, reader.metadata)  # the loader's own source of a PEFT file's alpha
-    state, configs, unreadable = split_configs(_shape_only(reader))
-    groups, unknown = group_keys(state, reader.name)
+    keys = grouped_keys(_shape_only(reader), reader.name)
     modules: list[ModuleSummary] = []
     in_features: dict[str, int | None] = {}
     alpha_sources: Counter = Counter()
     built_modules: list[Module] = []
-    unused = len(unknown) + len(unreadable)
-    damaged: list[tuple[str, str]] = []
-    for prefix, group in groups.items():
-        options = module_options(config, prefix)
-        try:
-            built, leftover = build_modules(prefix, group, reader.name, options, module_name(config, prefix))
-        except LycorisError as e:
-            unused += len(group)  # a damaged module: loading refuses the file, the summary says which
-            damaged.append((e.key or prefix, e.reason))
+    unused = len(keys.unused)
+    damaged: list[DamagedGroup] = []
+    for parsed in parse_groups(keys.groups, reader.name, config):
+        parsed = _alpha_checked(parsed, reader.name)
+        if isinstance(parsed, DamagedGroup):  # loading refuses the file: the summary says which module, and goes on
+            unused += len(parsed.keys)
+            damaged.append(parsed)
             continue
-        except ShapeError as e:
-            unused += len(group)
-            damaged.append((f"{prefix}.{e.key}" if e.key else prefix, e.reason))
-            continue
-        if any(m.alpha is not None and not math.isfinite(m.alpha) for m in built):
-            unused += len(group)
-            damaged.append((f"{prefix}.alpha", "alpha is NaN or Inf"))
-            continue
-        unused += len(leftover)
-        modules += [_module_summary(f"{prefix}.{m.param}", m, _alpha_used(m, options, ALPHA in group)) for m in built]
+        prefix, group, built = parsed.prefix, parsed.keys, parsed.modules
+        unused += len(parsed.unused)
+        modules += [_module_summary(f"{prefix}.{m.param}", m, _alpha_used(m, parsed.options, ALPHA in group))
+                    for m in built]
         in_features[prefix] = built[0].layout.flat_in if built else None
         built_modules += built
         alpha_sources.update("file" if ALPHA in group else "assumed" if m.scale_assumed else "config"
@@ -251,17 +250,27 @@ def _summarize(path, reader: SafetensorsFile) -> FileSummary:
         made_by=made_by(list(reader.entries), meta), alpha_from=_alpha_from(config, alpha_sources, meta),
         warnings=_damage_warnings(damaged) + scale_warnings(reader.name, built_modules, meta)
         + option_warnings(reader.name, ((m, m.layout) for m in built_modules)),
-        notes=[config_note(reader.name, configs)] if configs else [], modules=modules,
+        notes=[config_note(reader.name, keys.configs)] if keys.configs else [], modules=modules,
     )
 
 
-def _damage_warnings(damaged: list[tuple[str, str]]) -> list[str]:
+def _alpha_checked(parsed: ParsedGroup | DamagedGroup, file: str) -> ParsedGroup | DamagedGroup:
+    """A group whose alpha is NaN or Inf, as damaged. The loader refuses it before parsing (check_values, with its
+    own text: "1 of 1 values are NaN or Inf; the file is damaged"); the summary reads no tensor data but the
+    scalars, so it checks the alpha the modules were built with."""
+    if isinstance(parsed, DamagedGroup) or all(m.alpha is None or math.isfinite(m.alpha) for m in parsed.modules):
+        return parsed
+    return DamagedGroup(parsed.prefix, parsed.keys,
+                        LycorisError("alpha is NaN or Inf", file=file, key=f"{parsed.prefix}.{ALPHA}"))
+
+
+def _damage_warnings(damaged: list[DamagedGroup]) -> list[str]:
     """One line for the modules loading refuses, so a damaged file never reads as a file of fewer modules."""
     if not damaged:
         return []
-    (key, reason), more = damaged[0], len(damaged) - 1
+    first, more = damaged[0], len(damaged) - 1
     return [f"{len(damaged)} damaged {'module' if len(damaged) == 1 else 'modules'}: the loader refuses this file "
-            f"('{clipped(key, MAX_NAME)}': {clipped(reason, 300)}" + (f"; and {more} more)" if more else ")")]
+            f"('{clipped(first.key, MAX_NAME)}': {clipped(first.reason, 300)}" + (f"; and {more} more)" if more else ")")]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
