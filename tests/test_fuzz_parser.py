@@ -31,6 +31,7 @@ from lycoris_nodes.lycoris_core.module import build_modules
 from lycoris_nodes.lycoris_core.patch import apply
 from lycoris_nodes.lycoris_core.safetensors_file import DTYPES
 from lycoris_nodes.lycoris_core.summary import SCALAR_SUFFIXES, summarize
+from parse_agreement import assert_loader_and_summary_agree
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as st_save
 
@@ -281,13 +282,16 @@ def test_header_parser_parses_or_names_the_file(data):
 @given(data=mutated_files())
 def test_loader_and_summary_parse_or_name_the_file(data):
     with written(data) as path:
+        readings = {}
         for read in (lycoris_core.load, summarize):
             result, error = outcome(read, path)
+            readings[read] = result, error
             if error is not None:
                 check_refusal(error)
             elif read is summarize:
                 json.dumps(result.to_json(with_modules=True))  # what the route and the panel send
                 result.text().encode("utf-8")
+        assert_loader_and_summary_agree(*readings[lycoris_core.load], *readings[summarize])
 
 
 # --- 2. detection and parsing on generated key groups --------------------------------------------------------------
@@ -387,11 +391,11 @@ def test_summary_reads_or_names_the_file(state_dict, meta):
         else:
             json.dumps(summary.to_json(with_modules=True))
             summary.text().encode("utf-8")
-        parsed, error = outcome(lycoris_core.load, path)
-        if error is not None:
-            check_refusal(error)
-        elif summary is not None:  # what loads, the summary counts (it may not see NaN/Inf in tensor data)
-            assert summary.module_count == len(parsed.modules), (summary.module_count, list(parsed.modules))
+        parsed, load_error = outcome(lycoris_core.load, path)
+        if load_error is not None:
+            check_refusal(load_error)
+        # one parse, two rules (#37): what loads, the summary reads alike; a module the loader refuses, it reports
+        assert_loader_and_summary_agree(parsed, load_error, summary, error)
 
 
 pytestmark = pytest.mark.timeout(120)

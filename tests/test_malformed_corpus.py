@@ -1,6 +1,7 @@
 """Issue #11's malformed-file corpus, generated here (no binaries committed): ~360 kinds of broken, odd and hostile
 files, each read the three ways the pack reads a file (the header reader, the loader's cache.read, the Info node's
-summary) and a representative subset through the LyCORIS Loader node on a real (tiny) SD1.5 model.
+summary) and a representative subset through the LyCORIS Loader node on a real (tiny) SD1.5 model. The loader's and
+the summary's readings of each file must agree as parse_agreement.py states (issue #37).
 
 For every case: the file parses, or a LycorisError names the file (and, where one key is at fault, the key) in a
 bounded, UTF-8-encodable text; never another exception, never a hang, never unpickling, never a byte of a file
@@ -29,6 +30,7 @@ from lycoris_nodes.nodes.glue import cache
 from lycoris_nodes.nodes.inspection.info import LycorisInfo
 from lycoris_nodes.nodes.loading.loaders import LycorisLoader
 from node_runner import execute
+from parse_agreement import assert_loader_and_summary_agree
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from test_nodes import TE_Q_KEY, TO_Q, TO_Q_KEY
@@ -440,6 +442,34 @@ case("only unknown keys", lambda: base_bytes(tensors={"a.b": torch.ones(2), "c":
 case("no tensors at all", lambda: base_bytes(tensors={}), "load")
 
 
+# --- damaged modules among others: the loader names the first, the summary reports each (issue #37) ----------------
+def mismatched(prefix: str) -> dict[str, torch.Tensor]:
+    """A LoRA module whose factors disagree on the rank."""
+    return {f"{prefix}.lora_up.weight": torch.ones(4, 3), f"{prefix}.lora_down.weight": torch.ones(2, 4)}
+
+
+def beside_base(extra: Callable[[], dict[str, torch.Tensor]]) -> Callable[[], bytes]:
+    return lambda: base_bytes(tensors={**base_tensors(), **extra()})
+
+
+case("modules: a damaged module after a good one", beside_base(lambda: mismatched("lora_unet_z_bad")), "load",
+     "lora_unet_z_bad.lora_up.weight")
+case("modules: damaged modules before and after a good one",
+     lambda: base_bytes(tensors={**mismatched("lora_unet_a_bad"), **base_tensors(), **mismatched("lora_unet_z_bad")}),
+     "load", "lora_unet_a_bad.lora_up.weight")
+case("modules: dora_scale and lora_magnitude_vector on one module", beside_base(lambda: {
+    f"{TO_Q}.dora_scale": torch.ones(320, 1), f"{TO_Q}.lora_magnitude_vector": torch.ones(320)}), "load",
+     f"{TO_Q}.lora_magnitude_vector")
+case("modules: PEFT's OFT from before 0.16 beside a LoRA", beside_base(lambda: {
+    "base_model.model.x.oft_r": torch.ones(2, 3, 3), "base_model.model.x.oft_s": torch.ones(6, 1)}), "load",
+     "base_model.model.x.oft_r")
+case("modules: PEFT DoRA on an embedding beside a LoRA", beside_base(lambda: {
+    "text_encoder.emb.lora_embedding_A": torch.ones(2, 10), "text_encoder.emb.lora_embedding_B": torch.ones(4, 2),
+    "text_encoder.emb.lora_magnitude_vector": torch.ones(4)}), "load", "text_encoder.emb.lora_magnitude_vector")
+case("modules: NaN alpha on a good module after a damaged one", lambda: base_bytes(tensors={
+    **mismatched("lora_unet_a_bad"), **base_tensors(), ALPHA: torch.tensor(float("nan"))}), "load", ALPHA)
+
+
 # --- symlinks ------------------------------------------------------------------------------------------------------
 def _secret_text() -> bytes:
     return b"s3cr3t-outside:" + b"0123456789abcdef" * 4 + b"\n"
@@ -637,6 +667,7 @@ def check_case(case_: Case, results: dict[str, tuple]) -> None:
         ", ".join(summary.trigger_words).encode("utf-8")
         json.dumps(summary.to_json(with_modules=True), ensure_ascii=False).encode("utf-8")
     refusals = {label: error for label, (_value, error) in results.items() if error is not None}
+    assert_loader_and_summary_agree(*results["cache.read"], *results["summarize"])  # one parse, two rules (#37)
     if case_.refused == "never":
         assert not refusals, {k: str(v)[:300] for k, v in refusals.items()}
     elif case_.refused == "header":
