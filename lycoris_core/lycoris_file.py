@@ -270,8 +270,9 @@ def parse_state_dict(state_dict: Mapping[str, torch.Tensor], name: str = "<state
         for module in parsed.modules:
             modules[f"{parsed.prefix}.{module.param}"] = replace(module, adapter_named=parsed.prefix in named)
     if not modules:
-        raise LycorisError(f"no LyCORIS/LoRA module found among {len(keys.tensors)} keys "
-                           f"(e.g. '{next(iter(keys.tensors))}'); is this an adapter file?", file=name)
+        example = f"e.g. '{next(iter(keys.tensors))}'" if keys.tensors else "the file holds only module configs"
+        raise LycorisError(f"no LyCORIS/LoRA module found among {len(keys.tensors)} keys ({example}); is this an "
+                           f"adapter file?", file=name)
     warnings = scale_warnings(name, list(modules.values()), metadata or {})
     warnings += option_warnings(name, ((m, m.layout) for m in modules.values()))
     notes = [config_note(name, keys.configs)] if keys.configs else []

@@ -440,6 +440,8 @@ for label, changes, refused, key in [
 case("only an alpha", lambda: base_bytes(tensors={ALPHA: torch.tensor(1.0)}), "load")
 case("only unknown keys", lambda: base_bytes(tensors={"a.b": torch.ones(2), "c": torch.ones(1)}), "load")
 case("no tensors at all", lambda: base_bytes(tensors={}), "load")
+case("only module configs", lambda: base_bytes(tensors={
+    f"{TO_Q}.config": torch.tensor(list(b'{"a": 1}'), dtype=torch.uint8), "x.config": torch.ones(2)}), "load")
 
 
 # --- damaged modules among others: the loader names the first, the summary reports each (issue #37) ----------------
