@@ -440,6 +440,11 @@ for label, changes, refused, key in [
 case("only an alpha", lambda: base_bytes(tensors={ALPHA: torch.tensor(1.0)}), "load")
 case("only unknown keys", lambda: base_bytes(tensors={"a.b": torch.ones(2), "c": torch.ones(1)}), "load")
 case("no tensors at all", lambda: base_bytes(tensors={}), "load")
+# the summary reads these scalars' values (no check_values there): a NaN/Inf one is a damaged module, not a crash
+for option, value in (("num_cayley_neumann_terms", "nan"), ("num_cayley_neumann_terms", "inf"), ("eps", "nan")):
+    case(f"{value} PEFT OFT option {option} held in the file", lambda o=option, v=value: base_bytes(tensors={
+        **base_tensors(), "k.oft_R.weight": torch.ones(2, 3), f"k.peft_option.{o}": torch.tensor(float(v))}), "load",
+         f"k.peft_option.{option}")
 case("only module configs", lambda: base_bytes(tensors={
     f"{TO_Q}.config": torch.tensor(list(b'{"a": 1}'), dtype=torch.uint8), "x.config": torch.ones(2)}), "load")
 

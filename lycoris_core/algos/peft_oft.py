@@ -56,7 +56,11 @@ def read_options(t: Tensors, defaults: dict[str, float]) -> tuple[dict[str, floa
             values[name] = default
             assumed.append(f"{name}={default}")
         else:
-            values[name] = type(default)(scalar(t, OPTION_PREFIX + name).item())
+            value = scalar(t, OPTION_PREFIX + name).item()
+            # NaN/Inf reaches here only in the summary (the loader refuses it in check_values); int() would raise
+            expect(math.isfinite(value), f"{OPTION_PREFIX}{name} must be a finite number, got {value}",
+                   OPTION_PREFIX + name)
+            values[name] = type(default)(value)
     return values, tuple(assumed)
 
 
