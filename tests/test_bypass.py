@@ -324,11 +324,13 @@ class PackedTensor(torch.Tensor):
 
 @pytest.mark.parametrize("variant_id,expected", [("locon", True), ("locon_dora_out", False), ("oft_rescaled", False)])
 def test_unreadable_weight_bypasses_only_what_needs_no_weight(reference_files, bases, variant_id, expected):
-    from lycoris_nodes.nodes.glue.bypass import wants_bypass
+    from lycoris_nodes.nodes.glue.bypass import patch_route
+    from lycoris_nodes.nodes.glue.patch_key import PatchKey
 
     generated = reference_files[variant_id]
     net = factory_model(bases[torch.float32], torch.float32)
     patches, _ = lycoris_patches(load(generated.path), net, FACTORY_KEY_MAP)
     net.linear_b.weight = torch.nn.Parameter(net.linear_b.weight.data.as_subclass(PackedTensor), requires_grad=False)
-    assert wants_bypass("auto", net.linear_b, "linear_b.weight", patches["linear_b.weight"].plan) is expected
-    assert wants_bypass("bypass", net.linear_b, "linear_b.weight", patches["linear_b.weight"].plan) is expected
+    key, plan = PatchKey("linear_b.weight"), patches["linear_b.weight"].plan
+    assert patch_route("auto", net.linear_b, key, plan).bypassed is expected
+    assert patch_route("bypass", net.linear_b, key, plan).bypassed is expected

@@ -12,6 +12,7 @@ nodes/glue/diffusers_names.json is written by scripts/derive_diffusers_names.py,
 import pytest
 from derive_names import derive
 from lycoris_nodes.nodes.glue import keymap
+from lycoris_nodes.nodes.glue.patch_key import PatchKey
 
 ARCHS = {arch.name: arch for arch in derive.ARCHS}
 WEIGHT = ".weight"
@@ -125,7 +126,7 @@ def test_row_pieces_put_a_change_in_comfyui_order():
     change = torch.arange(12.0).reshape(6, 2)
     halves = keymap.RowPieces(((3, 3), (0, 3)))
     assert torch.equal(halves(change), comfy.utils.swap_scale_shift(change))
-    assert keymap.row_runs(("w", None, comfy.utils.swap_scale_shift), 6) == halves.runs
+    assert keymap.row_runs(PatchKey.from_comfy(("w", None, comfy.utils.swap_scale_shift)), 6) == halves.runs
     comfy_rows = torch.arange(6.0)
     file_rows = torch.cat([comfy_rows[4:6], comfy_rows[0:1], comfy_rows[1:4]])
     assert torch.equal(keymap.RowPieces(((4, 2), (0, 1), (1, 3)))(file_rows), comfy_rows)

@@ -28,6 +28,7 @@ import torch
 from lycoris_nodes.nodes.glue.apply import map_file
 from lycoris_nodes.nodes.glue.cache import read
 from lycoris_nodes.nodes.glue.keymap import COMFY_BUILDERS, extend
+from lycoris_nodes.nodes.glue.patch_key import Offset
 from reference.lycoris_factory import SEED
 from test_fused_split import LYCORIS, check_node, saved_lycoris
 from test_peft_dit import adapted, merged_parameters, put
@@ -145,7 +146,7 @@ def test_each_trainers_halves_land_on_their_rows_of_gate_up(trainer, name, suffi
     assert report.problems == [], f"{trainer} ({source}): {report.problems}"
     module_key = next(iter(report.applied))
     assert report.applied == {module_key: gate_up(1)}
-    assert report.targets[module_key].target.offset == rows
+    assert report.targets[module_key].target.offset == Offset.from_comfy(rows)
 
 
 def comfy_038_map(model) -> dict:

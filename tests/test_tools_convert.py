@@ -113,8 +113,8 @@ def patched_by_our_loader(model, name) -> dict[str, torch.Tensor]:
     for applied in report.targets.values():  # a module on rows of a fused weight changes those rows
         key, offset = applied.target.key, applied.target.offset
         patched = out.setdefault(key, weights[key].float().clone())
-        rows = patched if offset is None else patched.narrow(*offset)
-        w = (weights[key] if offset is None else weights[key].narrow(*offset)).float()
+        rows = patched if offset is None else patched.narrow(*offset.as_comfy())
+        w = (weights[key] if offset is None else weights[key].narrow(*offset.as_comfy())).float()
         rows += change(applied.plan, {k: t.float() for k, t in applied.module.tensors.items()}, w, 1.0)
     return out
 

@@ -26,6 +26,7 @@ from lycoris_nodes.lycoris_core import parse_state_dict
 from lycoris_nodes.lycoris_core.keys import split_key
 from lycoris_nodes.nodes.glue.apply import build_patches, map_file
 from lycoris_nodes.nodes.glue.keymap import lora_key_map, model_shapes
+from lycoris_nodes.nodes.glue.patch_key import Offset
 
 sd15 = test_nodes.sd15  # fixture
 
@@ -368,7 +369,7 @@ def test_trainer_names_reach_their_weight(trainer, arch, name, suffixes, target,
     assert report.problems == [], f"{trainer} ({source}): {report.problems}"
     module_key = next(iter(report.applied))
     assert report.applied == {module_key: target}
-    assert report.targets[module_key].target.offset == rows
+    assert report.targets[module_key].target.offset == Offset.from_comfy(rows)
 
 
 @pytest.mark.parametrize("arch,name", [key for key, reason in EXPECTED_MISSES.items() if reason])

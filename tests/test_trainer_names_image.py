@@ -15,6 +15,7 @@ import pytest
 import torch
 from derive_names import derive
 from lycoris_nodes.lycoris_core.families import infer_family
+from lycoris_nodes.nodes.glue.patch_key import Offset
 from test_trainer_names import LORA, PEFT, PEFT_DEFAULT, ZIMAGE_CONFIG, _report
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -353,7 +354,7 @@ def test_trainer_names_reach_their_weight(trainer, arch, name, suffixes, target,
     assert report.problems == [], f"{trainer} ({source}): {report.problems}"
     module_key = next(iter(report.applied))
     assert report.applied == {module_key: target}
-    assert report.targets[module_key].target.offset == rows
+    assert report.targets[module_key].target.offset == Offset.from_comfy(rows)
 
 
 # --- the "made for" verdict ------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import comfy.supported_models as supported
 import pytest
 import torch
 from lycoris_nodes.nodes.glue.keymap import component_module_paths, model_shapes
+from lycoris_nodes.nodes.glue.patch_key import Offset
 from test_trainer_names import (
     AI_TOOLKIT_WAN,
     DIFFSYNTH,
@@ -230,7 +231,7 @@ def test_trainer_names_reach_their_weight(trainer, arch, name, suffixes, target,
     offsets = [applied.target.offset for key, applied in report.targets.items()
                if key == module_key or key.startswith(module_key + "[")]
     half = model_shapes(video_models[arch])[target][0] // 2
-    assert offsets == ([(0, half, half), (0, 0, half)] if swapped else [rows])
+    assert offsets == ([Offset(0, half, half), Offset(0, 0, half)] if swapped else [Offset.from_comfy(rows)])
 
 
 def test_diffsynth_minimax_qkv_rows_are_refused_by_name(video_models):

@@ -74,6 +74,7 @@ from lycoris import LycorisNetwork, create_lycoris
 from lycoris_nodes.nodes.glue.apply import map_file
 from lycoris_nodes.nodes.glue.cache import read
 from lycoris_nodes.nodes.glue.keymap import model_shapes
+from lycoris_nodes.nodes.glue.patch_key import Offset
 from lycoris_nodes.nodes.loading.loaders import LycorisLoaderModelOnly
 from reference.lycoris_factory import SEED, Lazy, _class_presets_restored, _randomise
 from test_nodes import run_node, weights_after_full_load
@@ -543,5 +544,5 @@ def test_swapped_halves_apply_to_the_other_halves(arch_id, module, weight, archs
     assert report.problems == []
     (module_key,) = [name for name, applied in report.applied.items() if applied == key]
     assert [applied.target.offset for name, applied in report.targets.items()
-            if name.startswith(module_key + "[")] == [(0, half, half), (0, 0, half)]
+            if name.startswith(module_key + "[")] == [Offset(0, half, half), Offset(0, 0, half)]
     check_file(models, loras, written, merged)

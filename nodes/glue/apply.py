@@ -19,19 +19,7 @@ from ...lycoris_core.block_weights import BlockWeights
 from ...lycoris_core.bypass import reads_weight
 from ...lycoris_core.lycoris_file import option_warnings
 from .adapter import LycorisAdapter
-from .bypass import (
-    bypassed_layers,
-    contribution,
-    forward_check,
-    injection,
-    layer_name,
-    merge_dtype,
-    merge_rounds,
-    narrowed_format,
-    skips_forward,
-    storage_format,
-    wants_bypass,
-)
+from .bypass import bypassed_layers, contribution, forward_check, injection, layer_name, patch_route
 from .coverage import (
     MAX_LISTED,
     NO_CLIP,
@@ -49,6 +37,8 @@ from .coverage import (
 )
 from .keymap import TRAINED_ON_UNKNOWN, fused_parts, lora_key_map, model_shapes, row_order_target, row_runs
 from .object_params import changed_parameter, is_skipped_by_load
+from .patch_key import Offset, PatchKey
+from .weight_format import merge_dtype, merge_rounds, narrowed_format, skips_forward, storage_format
 
 log = logging.getLogger("lycoris_nodes")
 
@@ -56,32 +46,21 @@ CONVERTED_WEIGHT = ("ComfyUI stores this parameter converted (its converter func
                     "a change back; this module's change reads the parameter in the file's layout: not applied")
 
 
-def _narrowed(shape: tuple[int, ...], offset) -> tuple[int, ...]:
-    if offset is None:
-        return shape
-    dim, _start, length = offset
-    return shape[:dim] + (length,) + shape[dim + 1:]
-
-
-def _bias_key(patch_key):
-    """The bias twin of a weight target (diff_b / b_norm modules)."""
-    if isinstance(patch_key, str):
-        return patch_key[: -len(".weight")] + ".bias" if patch_key.endswith(".weight") else None
-    key, offset = patch_key[0], patch_key[1]
-    if not key.endswith(".weight") or (offset is not None and offset[0] != 0):
-        return None
-    return (key[: -len(".weight")] + ".bias", offset, *patch_key[2:])
-
-
 NO_SUCH_WEIGHT = "no weight of this model has this name"
 
 
-def _parameter_key(module: Module, key_map: dict) -> str | None:
+def _mapped(key_map: dict, name: str) -> PatchKey | None:
+    """The key map's target for `name` (ComfyUI's form, read once here), or None."""
+    target = key_map.get(name)
+    return None if target is None else PatchKey.from_comfy(target)
+
+
+def _parameter_key(module: Module, key_map: dict) -> PatchKey | None:
     """A part that patches another parameter of its module (LightX2V's `diff_m`: `modulation`) goes to that
     parameter's own key-map entry: ComfyUI maps every diffusion-model parameter that is not a `.weight` to itself
     (comfy/lora.py `model_lora_keys_unet`, "generic lora format for not .weight"). A whole parameter only."""
-    key = key_map.get(f"{module.prefix}.{module.param}")
-    return key if isinstance(key, str) and not key.endswith(".weight") else None
+    key = _mapped(key_map, f"{module.prefix}.{module.param}")
+    return key if key is not None and key.is_whole and not key.weight.endswith(".weight") else None
 
 
 def _nearest(prefix: str, names: list[str]) -> str:
@@ -106,7 +85,7 @@ def find_target(module: Module, key_map: dict, shapes: dict[str, dict], trained_
     """Where this module goes (the runs of a weight's rows it holds in another order, keymap.row_runs, as one
     target each, in the file's row order), or the reason it goes nowhere; None for an optional part whose
     parameter this layer does not have (nothing to change)."""
-    patch_key = key_map.get(module.prefix) if module.param in ("weight", "bias") else _parameter_key(module, key_map)
+    patch_key = _mapped(key_map, module.prefix) if module.param in ("weight", "bias") else _parameter_key(module, key_map)
     if patch_key is None:
         is_text_encoder = module.prefix.startswith(TEXT_ENCODER_PREFIXES)
         if is_text_encoder and "clip" not in shapes:
@@ -115,21 +94,20 @@ def find_target(module: Module, key_map: dict, shapes: dict[str, dict], trained_
             return NO_MODEL
         return NO_SUCH_WEIGHT
     if module.param == "bias":
-        patch_key = _bias_key(patch_key)
+        patch_key = patch_key.bias_twin()
         if patch_key is None:
             return "bias change for a target that has no separate bias"
     patch_key, unplaced = row_order_target(patch_key, module.adapter_named, trained_on, shapes.get("model", {}))
     if unplaced is not None:
         return unplaced
-    key = patch_key if isinstance(patch_key, str) else patch_key[0]
-    offset = None if isinstance(patch_key, str) else patch_key[1]
+    key = patch_key.weight
     for side, side_shapes in shapes.items():
         if key in side_shapes:
             runs = row_runs(patch_key, side_shapes[key][0]) if side_shapes[key] else None
             if runs is not None:
-                return [Target(side, (key, (0, start, count)), _narrowed(side_shapes[key], (0, start, count)))
-                        for start, count in runs]
-            return Target(side, patch_key, _narrowed(side_shapes[key], offset))
+                parts = [PatchKey(key, Offset(0, start, count)) for start, count in runs]
+                return [Target(side, part, part.narrowed(side_shapes[key])) for part in parts]
+            return Target(side, patch_key, patch_key.narrowed(side_shapes[key]))
     if module.algorithm.optional:
         return None
     return f"target {key} does not exist in this model"
@@ -138,8 +116,7 @@ def find_target(module: Module, key_map: dict, shapes: dict[str, dict], trained_
 def reads_converted_weight(target: Target, plan: Plan) -> bool:
     """A change computed from a weight ComfyUI hands over in its own layout, where the file's is converted: ComfyUI's
     converter function maps a change, not the weight it is computed from (e.g. Flux's swapped norm_out halves)."""
-    converted = not isinstance(target.patch_key, str) and len(target.patch_key) > 2 and target.patch_key[2] is not None
-    return converted and (reads_weight(plan) or plan.algorithm == "peft-ia3-bias")
+    return target.patch_key.is_converted and (reads_weight(plan) or plan.algorithm == "peft-ia3-bias")
 
 
 SUPERSEDED = ("the file's fused module {fused} covers this weight: diffusers keeps the unfused projection beside the "
@@ -163,7 +140,7 @@ def split_targets(module: Module, parts: tuple[str, ...], key_map: dict, shapes:
             return f"its projection {name} is stored with its rows in another order"
         if not isinstance(target, Target):
             return target if target is None else f"its projection {name}: {target}"
-        if not isinstance(target.patch_key, str) and len(target.patch_key) > 2 and target.patch_key[2] is not None:
+        if target.patch_key.is_converted:
             return f"its projection {name} is stored converted by ComfyUI"  # a converter maps whole changes only
         targets.append(target)
     inputs = {(t.side, t.shape[1:]) for t in targets}
@@ -178,11 +155,12 @@ def _consecutive(targets: list[Target], shapes: dict[str, dict]) -> Target | Non
     its rows from the first part's on), else None."""
     key, offsets = targets[0].key, [t.offset for t in targets]
     if (any(t.key != key for t in targets) or None in offsets
-            or any(a[1] + a[2] != b[1] for a, b in itertools.pairwise(offsets))):
+            or any(a.end != b.start for a, b in itertools.pairwise(offsets))):
         return None
-    start, rows = offsets[0][1], sum(o[2] for o in offsets)
+    start, rows = offsets[0].start, sum(o.length for o in offsets)
     whole = rows == shapes[targets[0].side][key][0]
-    return Target(targets[0].side, key if whole else (key, (0, start, rows)), (rows, *targets[0].shape[1:]))
+    joined = PatchKey(key) if whole else PatchKey(key, Offset(0, start, rows))
+    return Target(targets[0].side, joined, (rows, *targets[0].shape[1:]))
 
 
 def split_modules(module: Module, targets: list[Target], reference: bool, file: str
@@ -213,8 +191,8 @@ def _add_split(report: ApplyReport, patches: dict, module_key: str, module: Modu
         return
     keys = [t.key for t in targets]
     for target, part, plan in split:
-        patches[target.side][target.patch_key] = LycorisAdapter.from_module(part, plan)
-        rows = "" if keys.count(target.key) == 1 else f" rows {target.offset[1]}-{sum(target.offset[1:])}"
+        patches[target.side][target.patch_key.as_comfy()] = LycorisAdapter.from_module(part, plan)
+        rows = "" if keys.count(target.key) == 1 else f" rows {target.offset.start}-{target.offset.end}"
         report.targets[f"{module_key}[{target.key}{rows}]"] = Applied(target, plan, part)
     report.applied[module_key] = " + ".join(dict.fromkeys(t.key for t in targets))  # a weight's runs: once
     report.labels[split[0][2].label] += 1
@@ -280,7 +258,7 @@ def build_patches(lfile: LycorisFile, key_map: dict, shapes: dict[str, dict], re
             continue
         if getattr(plan.layout, "assumed", ()) != getattr(module.layout, "assumed", ()):
             resolved_options.append((module, plan.layout))
-        patches[target.side][target.patch_key] = LycorisAdapter.from_module(module, plan)
+        patches[target.side][target.patch_key.as_comfy()] = LycorisAdapter.from_module(module, plan)
         report.applied[module_key] = target.key
         report.targets[module_key] = Applied(target, plan, module)
         report.labels[plan.label] += 1
@@ -319,9 +297,8 @@ def patcher_patches(lfile: LycorisFile, patcher, is_clip: bool, reference: bool)
 def by_block_weight(patches: dict, weights: BlockWeights) -> dict[float, dict]:
     """Patches grouped by their block weight; a block weighted 0 is left out, so it stays exactly as it is."""
     groups: dict[float, dict] = {}
-    for patch_key, adapter in patches.items():
-        key = patch_key if isinstance(patch_key, str) else patch_key[0]
-        groups.setdefault(weights.weight_for(key), {})[patch_key] = adapter
+    for comfy_key, adapter in patches.items():
+        groups.setdefault(weights.weight_for(PatchKey.from_comfy(comfy_key).weight), {})[comfy_key] = adapter
     groups.pop(0.0, None)
     return groups
 
@@ -393,10 +370,6 @@ def is_off(strength: float, reference: bool) -> bool:
     return strength == 0 and not reference
 
 
-def _weight_key(patch_key) -> str:
-    return patch_key if isinstance(patch_key, str) else patch_key[0]
-
-
 def patched_clone(target, patches: dict, strength: float, weights: BlockWeights | None = None,
                   apply_mode: str = "merge", key: str | None = None, file: str = "",
                   report: ApplyReport | None = None) -> tuple[object, int]:
@@ -412,17 +385,21 @@ def patched_clone(target, patches: dict, strength: float, weights: BlockWeights 
     modules = dict(patcher.model.named_modules()) if apply_mode != "merge" or before else {}
     merged_in = merge_dtype(patcher)
     for weight, group in by_block_weight(patches, weights or BlockWeights()).items():
+        keys = {k: PatchKey.from_comfy(k) for k in group}  # group stays keyed as ComfyUI takes it
         to_bypass = {k for k, a in group.items() if modules
-                     and wants_bypass(apply_mode, modules.get(layer_name(_weight_key(k))), k, a.plan, before,
-                                      merged_in)}
-        bypassed += [(_weight_key(k), contribution(group[k], k, strength * weight)) for k in group if k in to_bypass]
+                     and patch_route(apply_mode, modules.get(layer_name(keys[k].weight)), keys[k], a.plan, before,
+                                     merged_in).bypassed}
+        bypassed += [(keys[k].weight, contribution(group[k], keys[k], strength * weight)) for k in group
+                     if k in to_bypass]
         to_merge = {k: a for k, a in group.items() if k not in to_bypass}
-        replaced = {k: a for k, a in to_merge.items() if isinstance(k, str) and is_skipped_by_load(patcher.model, k)}
+        replaced = {k: a for k, a in to_merge.items()
+                    if keys[k].is_whole and is_skipped_by_load(patcher.model, keys[k].weight)}
         for k, adapter in replaced.items():  # ComfyUI's loading would never patch these (object_params.py)
-            patcher.add_object_patch(k, changed_parameter(patcher, k, adapter, strength * weight))
+            patcher.add_object_patch(keys[k].weight, changed_parameter(patcher, keys[k].weight, adapter,
+                                                                       strength * weight))
         to_merge = {k: a for k, a in to_merge.items() if k not in replaced}
         any_replaced = any_replaced or bool(replaced)
-        merged.update(_weight_key(k) for k in to_merge)
+        merged.update(keys[k].weight for k in to_merge)
         if to_merge:
             accepted = set(patched.add_patches(to_merge, strength * weight))
             refused += [k for k in to_merge if k not in accepted]

@@ -32,11 +32,8 @@ stops the run with an error naming it (`forward_check`, one of ComfyUI's APPLY_M
 import logging
 from dataclasses import dataclass
 
-import comfy.model_management
-import comfy.ops
 import torch
 from comfy.patcher_extension import PatcherInjection
-from comfy.quant_ops import QuantizedTensor
 
 from ...lycoris_core import LycorisError
 from ...lycoris_core.bypass import (
@@ -50,202 +47,25 @@ from ...lycoris_core.bypass import (
     prepare,
     reads_weight,
 )
-from ...lycoris_core.casting import cast
 from . import gguf
+from .patch_key import BIAS, WEIGHT, PatchKey
+from .routing import Earlier, LayerFacts, PatchFacts, Route, route
+from .weight_format import (
+    BYPASS_HOLDER,
+    FLOAT_DTYPES,
+    float_weight,
+    float_weight_and_bias,
+    is_comfy_op,
+    layer_op,
+    skips_forward,
+    weight_format,
+)
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-MODES = ("merge", "bypass", "auto")
 _ATTRIBUTE = "_lycoris_bypass"
 _CHANGE_ATTRIBUTE = "_lycoris_weight_change"
-_KEPT = "_lycoris_bypass_kept"  # the layer's BypassLayer, also while no entry is on it
+_KEPT = BYPASS_HOLDER  # the layer's BypassLayer, also while no entry is on it
 NAMED = 3  # layers a log line or an error names before "…"
 log = logging.getLogger("lycoris_nodes")
-
-
-def layer_op(layer: torch.nn.Module) -> LayerOp | None:
-    """The bias-free op of a Linear-like or ConvNd layer (by structure, so ComfyUI's cast, fp8 and quantized
-    layer classes count), or None for anything else (norms, embeddings, circular padding)."""
-    if isinstance(layer, torch.nn.modules.conv._ConvNd):
-        if layer.padding_mode != "zeros" or layer.transposed:
-            return None
-        # kernel_size, not weight.ndim: a GGUF weight's storage is its packed blocks
-        return LayerOp(len(layer.kernel_size), tuple(layer.stride), layer.padding, tuple(layer.dilation),
-                       layer.groups)
-    if hasattr(layer, "in_features") and hasattr(layer, "out_features") and not isinstance(layer, torch.nn.Embedding):
-        return LayerOp()
-    return None
-
-
-def _data(weight: torch.Tensor) -> torch.Tensor:
-    return weight.data if isinstance(weight, torch.nn.Parameter) else weight
-
-
-def is_plain_float(weight: torch.Tensor) -> bool:
-    """A weight a merge can patch without loss beyond its dtype's rounding: an ordinary fp32/fp16/bf16/fp64 tensor,
-    or a GGUF F16/F32 one (plain float data; the GGUF pack merges it like any fp16 weight)."""
-    if gguf.is_gguf_tensor(weight):  # before `.data`, which drops the GGUF attributes
-        return not gguf.is_packed(weight) and weight.dtype in FLOAT_DTYPES
-    data = _data(weight)
-    return type(data) is torch.Tensor and data.dtype in FLOAT_DTYPES
-
-
-def merge_is_exact(weight: torch.Tensor) -> bool:
-    """A merge patches this weight without loss beyond its dtype's rounding: plain float, or any GGUF weight (the
-    GGUF pack applies merged patches to the decoded weight at every forward and never re-quantizes; measured no
-    slower than bypass for LoRA and faster for changes that read W, bench/results-quantized-*.md)."""
-    return is_plain_float(weight) or gguf.is_gguf_tensor(weight)
-
-
-def is_readable(weight: torch.Tensor) -> bool:
-    """A weight `float_weight` can read: an ordinary tensor of any float dtype (fp8 included), ComfyUI's
-    QuantizedTensor, or a GGUF weight (decoded by the GGUF pack's own cast)."""
-    if gguf.is_gguf_tensor(weight):
-        return True
-    data = _data(weight)
-    return isinstance(data, QuantizedTensor) or (type(data) is torch.Tensor and data.is_floating_point())
-
-
-# ComfyUI's QuantizedTensor layouts whose name says more than their stored dtype (0.33 `_layout_cls`)
-_LAYOUT_FORMATS = {"TensorCoreMXFP8Layout": "mxfp8", "TensorCoreNVFP4Layout": "nvfp4", "TensorWiseINT8Layout": "int8"}
-
-
-def _dtype_format(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.").replace("float8_", "fp8 ")
-
-
-def storage_format(weight: torch.Tensor) -> str | None:
-    """How a weight is stored when that is not plain float ("GGUF Q4_0", "fp8 e4m3fn", "int8", "mxfp8"), else None
-    (fp32/fp16/bf16, GGUF F16/F32)."""
-    if gguf.is_gguf_tensor(weight):
-        return f"GGUF {gguf.type_name(weight)}" if gguf.is_packed(weight) else None
-    data = _data(weight)
-    if isinstance(data, QuantizedTensor):
-        layout = getattr(data, "_layout_cls", None) or getattr(data, "_layout_type", None)  # 0.33 / 0.3.75
-        name = layout if isinstance(layout, str) else getattr(layout, "__name__", "")
-        return _LAYOUT_FORMATS.get(name) or _dtype_format(data._qdata.dtype)
-    return None if data.dtype in FLOAT_DTYPES else _dtype_format(data.dtype)
-
-
-def merge_rounds(weight: torch.Tensor) -> str | None:
-    """The storage format a merge re-rounds W+ΔW into (fp8, ComfyUI's quantized layouts), else None. A packed GGUF
-    weight is not: the GGUF pack applies merged patches to the decoded weight at every forward."""
-    fmt = storage_format(weight)
-    return None if fmt is None or gguf.is_gguf_tensor(weight) else fmt
-
-
-def merge_dtype(patcher) -> torch.dtype | None:
-    """The dtype ComfyUI patches a fully loaded weight in (0.33's `lora_compute_dtype`: fp16 on most NVIDIA GPUs),
-    or None (0.3.75 patches an fp32 copy)."""
-    dtype_of = getattr(comfy.model_management, "lora_compute_dtype", None)
-    return dtype_of(patcher.load_device) if dtype_of is not None else None
-
-
-def merge_narrows(tensor: torch.Tensor, dtype: torch.dtype | None) -> bool:
-    """ComfyUI would merge into this plain float tensor through a narrower copy (0.33 rounds an fp32 W to fp16
-    before any adapter runs), so the merge is off by that rounding. GGUF tensors are patched by the GGUF pack."""
-    return (dtype is not None and is_plain_float(tensor) and not gguf.is_gguf_tensor(tensor)
-            and dtype.itemsize < _data(tensor).dtype.itemsize)
-
-
-def narrowed_format(tensor: torch.Tensor, dtype: torch.dtype | None) -> str | None:
-    """What the report says of a plain float tensor bypassed because ComfyUI would merge it narrower."""
-    if not merge_narrows(tensor, dtype):
-        return None
-    return f"{_dtype_format(_data(tensor).dtype)} merged by ComfyUI in {_dtype_format(dtype)}"
-
-
-def is_comfy_op(layer: torch.nn.Module) -> bool:
-    """A comfy.ops layer: where its weight is and what is applied to it on the way to the forward (merged patches
-    of an offloaded or dynamically loaded layer, dequantisation) is up to ComfyUI's cast path."""
-    return hasattr(layer, "comfy_cast_weights")
-
-
-def skips_forward(layer: torch.nn.Module) -> bool:
-    """An INT8 tensorwise layer, which ComfyUI 0.33's `comfy.ops.linear_input_act` (Wan/LTX feed-forward down
-    projections, MiniMax, Llama-type text encoders) multiplies by its weight itself, never calling its forward
-    (the same test as there; 0.3.75 has no such layout)."""
-    weight = getattr(layer, "weight", None)
-    return (isinstance(weight, QuantizedTensor) and getattr(weight, "_layout_cls", None) == "TensorWiseINT8Layout"
-            and not getattr(getattr(weight, "_params", None), "transposed", False))
-
-
-def _read_dtype(layer: torch.nn.Module, device: torch.device) -> torch.dtype:
-    """fp32, or fp64 for an fp32 weight (its dynamic-VRAM geometry dtype, `_model_dtype`, where set) that reaches
-    `device` through one of ComfyUI's transfer buffers (dynamic VRAM, or an offloaded layer). In a dtype other than
-    the stored one the cast hands back a new tensor: the merged patches run on that copy, never in place on a buffer
-    the layer's own cast reads next, and the read is no view of a buffer ComfyUI reuses."""
-    weight = layer.weight
-    if isinstance(weight, QuantizedTensor):
-        return torch.float32  # dequantising always makes a new tensor
-    through_buffer = hasattr(layer, "_v") or weight.device != device
-    stored = getattr(weight, "_model_dtype", weight.dtype)
-    return torch.float64 if through_buffer and stored == torch.float32 else torch.float32
-
-
-def float_weight(layer: torch.nn.Module, device: torch.device) -> torch.Tensor:
-    """The layer's weight as fp32 on `device`, as its forward runs it (`float_weight_and_bias`)."""
-    return float_weight_and_bias(layer, device)[0]
-
-
-def float_weight_and_bias(layer: torch.nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The layer's weight and bias as fp32 on `device`, as its forward runs them: with the patches merged before
-    this adapter (in the weight, in a LowVramPatch of an offloaded layer, or applied on the fly under dynamic VRAM),
-    dequantized (QuantizedTensor) or unscaled (scaled fp8). A comfy.ops layer is read through ComfyUI's own cast
-    path; new tensors, so they are released at once and hold nothing of ComfyUI's while the layer's forward runs.
-    A packed GGUF weight is read through the GGUF pack's own cast, which decodes it and applies the patches its
-    GGUFModelPatcher attached to it."""
-    if gguf.is_gguf_layer(layer) and gguf.is_packed(layer.weight):
-        weight, bias = gguf.read_weight(layer, device)
-        return cast(weight, device, torch.float32), _float(bias, device)
-    if not is_comfy_op(layer):
-        return _own_float(layer, "weight", device), _own_float(layer, "bias", device)
-    dtype = _read_dtype(layer, device)
-    holder = layer.__dict__.get(_KEPT)  # its cast guards stay out of this read: it wants W as the forward gets it
-    lists = holder.hide_guards() if holder is not None else {}
-    try:
-        weight, bias, offload = comfy.ops.cast_bias_weight(layer, dtype=dtype, device=device, bias_dtype=dtype,
-                                                           offloadable=True)
-    finally:
-        if holder is not None:
-            holder.restore(lists)
-    try:
-        read = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
-        convert = getattr(layer, "convert_weight", None)  # 0.3.75's scaled fp8: the cast gives W / scale_weight
-        if convert is not None:
-            read = convert(read, inplace=False)
-        read = cast(read, device, torch.float32)
-        read = read.as_subclass(torch.Tensor) if gguf.is_gguf_tensor(read) else read  # GGUF F16 reads as its class
-        return read, _float(bias, device, copy=True)
-    finally:
-        comfy.ops.uncast_bias_weight(layer, weight, bias, offload)
-
-
-def _float(tensor: torch.Tensor | None, device: torch.device, copy: bool = False) -> torch.Tensor | None:
-    """fp32 on `device`, a plain tensor (a copy when asked: a cast's result may be a buffer ComfyUI reuses)."""
-    if tensor is None:
-        return None
-    tensor = tensor.as_subclass(torch.Tensor) if gguf.is_gguf_tensor(tensor) else tensor
-    return cast(tensor, device, torch.float32, copy=copy)
-
-
-def _own_float(layer: torch.nn.Module, name: str, device: torch.device) -> torch.Tensor | None:
-    """A plain torch layer's weight or bias as fp32 on `device`, with any per-forward functions applied."""
-    value = getattr(layer, name, None)
-    if value is None:
-        return None
-    if isinstance(value, QuantizedTensor):
-        value = value.dequantize()
-    functions = getattr(layer, f"{name}_function", None)
-    if functions:  # as comfy.ops.cast_bias_weight: on a copy, the functions may work in place
-        value = cast(value, device, torch.float32, copy=True)
-        for function in functions:
-            value = function(value)
-        if isinstance(value, QuantizedTensor):
-            value = value.dequantize()
-    convert = getattr(layer, f"convert_{name}", None)
-    if convert is not None:
-        value = convert(value, inplace=False)
-    return cast(value, device, torch.float32)
 
 
 class BypassLayer:
@@ -574,52 +394,26 @@ def bypassed_layers(patcher) -> BypassedBefore:
                           frozenset().union(*(i.lycoris_readers for i in ours)))
 
 
-def wants_bypass(mode: str, layer: torch.nn.Module | None, patch_key, plan,
-                 bypassed_before: BypassedBefore = BypassedBefore(), merged_in: torch.dtype | None = None) -> bool:
-    """Whether this target is bypassed: in bypass mode, every Linear/Conv weight (whole or a row slice of a fused
-    weight); in auto, those a merge could not patch exactly (`merge_is_exact`: fp8, ComfyUI's quantized layouts,
-    tensor types we do not know); in merge, none, except where a merge would break the workflow's order on a layer
-    an earlier file bypasses: a change that reads W, merged, would not see that file's change (the weight does not
-    hold it), and any change merged after a bypassed change that reads W would be in the W it reads, i.e. applied
-    before it. Those run after it in the forward instead, as chained merges would order them. `merged_in`: the dtype
-    ComfyUI merges in (`merge_dtype`); auto also bypasses a float weight it would merge through a narrower copy."""
-    key = patch_key if isinstance(patch_key, str) else patch_key[0]
-    if not _output_rows_only(patch_key) or layer_op(layer) is None:
-        return False
-    if changes_bias(plan) and key.endswith(".bias"):
-        return wants_bias_bypass(mode, layer, key, bypassed_before, merged_in)
-    if not is_bypassable(plan) or not key.endswith(".weight"):
-        return False
-    if reads_weight(plan):
-        if not is_readable(layer.weight):
-            return False  # ComfyUI's (or the GGUF pack's) own patching decodes that weight; we cannot
-        if key in bypassed_before.layers:
-            return True
-    if key in bypassed_before.readers:
-        return True
-    return mode == "bypass" or (mode == "auto" and (not merge_is_exact(layer.weight)
-                                                    or merge_narrows(layer.weight, merged_in)))
+def patch_route(mode: str, layer: torch.nn.Module | None, patch_key: PatchKey, plan,
+                bypassed_before: BypassedBefore = BypassedBefore(), merged_in: torch.dtype | None = None) -> Route:
+    """Merge or bypass this patch (routing.route, on the facts read here off its key, plan, layer and the bypass
+    injections already on the patcher); `merged_in`: the dtype ComfyUI merges in (`merge_dtype`)."""
+    key = patch_key.weight
+    param = "weight" if key.endswith(WEIGHT) else "bias" if key.endswith(BIAS) else None
+    patch = PatchFacts(param, patch_key.output_rows_only, is_bypassable(plan), reads_weight(plan), changes_bias(plan))
+    earlier = Earlier(key in bypassed_before.layers, key in bypassed_before.readers)
+    return route(mode, patch, _layer_facts(layer), earlier, merged_in)
 
 
-def _output_rows_only(patch_key) -> bool:
-    """The whole parameter, or a slice of its output rows: those map onto output channels; a convert function needs
-    the parameter itself."""
-    return isinstance(patch_key, str) or (len(patch_key) == 2 and patch_key[1] is not None and patch_key[1][0] == 0)
+def _layer_facts(layer: torch.nn.Module | None) -> LayerFacts | None:
+    if layer is None:
+        return None
+    weight, bias = (getattr(layer, p, None) for p in ("weight", "bias"))
+    return LayerFacts(layer_op(layer) is not None, skips_forward(layer),
+                      weight_format(weight) if isinstance(weight, torch.Tensor) else None,
+                      weight_format(bias) if isinstance(bias, torch.Tensor) else None)
 
 
-def wants_bias_bypass(mode: str, layer: torch.nn.Module, key: str, bypassed_before: BypassedBefore,
-                      merged_in: torch.dtype | None = None) -> bool:
-    """A bias change runs in the forward (added to the output) in bypass and auto where a merge would round it into
-    the stored bias (fp8, or fp32 merged through ComfyUI's fp16 copy), as the weight changes there do; else it is
-    merged, exactly. After a bias change an earlier file bypassed on this layer, it runs in the forward too, so the
-    order holds."""
-    if skips_forward(layer) or getattr(layer, "bias", None) is None:
-        return False  # a layer used without its forward only takes weight changes
-    if key in bypassed_before.layers:
-        return True
-    return mode != "merge" and (merge_rounds(layer.bias) is not None or merge_narrows(layer.bias, merged_in))
-
-
-def contribution(adapter, patch_key, strength: float) -> Contribution:
-    rows = None if isinstance(patch_key, str) else (patch_key[1][1], patch_key[1][2])
+def contribution(adapter, patch_key: PatchKey, strength: float) -> Contribution:
+    rows = None if patch_key.offset is None else (patch_key.offset.start, patch_key.offset.length)
     return Contribution(adapter.plan, adapter.tensors, strength, rows)

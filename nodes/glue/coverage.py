@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ...lycoris_core import LycorisError, LycorisFile, Module, Plan
 from ...lycoris_core.families import compact_name, declared_family, family_id, family_ids, infer_family
+from .patch_key import Offset, PatchKey
 
 # Prefixes trainers use for text-encoder modules: explains a miss when no CLIP is connected.
 TEXT_ENCODER_PREFIXES = ("lora_te", "lora_prior_te", "text_encoder", "text_encoders.", "te_", "te1_", "te2_")
@@ -21,16 +22,16 @@ AT_WEIGHT_CAST = "int8 layers ComfyUI runs without their forward"
 @dataclass(frozen=True)
 class Target:
     side: str  # "model" or "clip"
-    patch_key: object  # what add_patches takes: "key" or (key, offset[, function])
-    shape: tuple[int, ...]
+    patch_key: PatchKey  # add_patches takes its `as_comfy()`
+    shape: tuple[int, ...]  # of what it changes (the part, for an offset)
 
     @property
     def key(self) -> str:
-        return self.patch_key if isinstance(self.patch_key, str) else self.patch_key[0]
+        return self.patch_key.weight
 
     @property
-    def offset(self):
-        return None if isinstance(self.patch_key, str) else self.patch_key[1]
+    def offset(self) -> Offset | None:
+        return self.patch_key.offset
 
 
 @dataclass(frozen=True)

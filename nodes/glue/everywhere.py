@@ -49,6 +49,7 @@ from . import cache
 from .apply import apply_file, build_patches
 from .coverage import family_verdict
 from .keymap import lora_key_map, model_shapes
+from .patch_key import PatchKey
 
 log = logging.getLogger("lycoris_nodes")
 
@@ -225,7 +226,8 @@ def registry_patches(original, lora, to_load: KeyMap, report, ours: dict) -> dic
         taken |= set(getattr(patch, "loaded_keys", ()))  # an adapter says; ("diff"/"set", …) tuples do not:
     for key in leftover:  # a key of a module whose weight (or bias) got one of them
         target = to_load.get(key.rsplit(".", 1)[0])
-        if isinstance(target, str) and {target, target.removesuffix(".weight") + ".bias"} & set(found):
+        whole = target is not None and PatchKey.from_comfy(target).is_whole
+        if whole and {target, target.removesuffix(".weight") + ".bias"} & set(found):
             taken.add(key)
     if found:
         log.info("LyCORIS (everywhere) %s: %d patches from ComfyUI's own adapters for keys this pack does not "

@@ -6,8 +6,8 @@ import folder_paths
 from comfy_api.latest import io
 
 from . import lora_files
-from .bypass import MODES
 from .cache import file_identity
+from .routing import MODES
 
 CATEGORY = "loaders/lycoris"
 STRENGTH_MODES = ["linear", "lycoris"]

@@ -27,6 +27,7 @@ import comfy.utils
 import torch
 
 from . import gguf
+from .patch_key import Offset, PatchKey
 
 # ComfyUI's own key-map builders, as they were when the pack was imported: everywhere.py wraps the module's
 # attributes later, and its wrappers call into this module (through lora_key_map, at the end of this module) for the extra names.
@@ -144,12 +145,12 @@ class RowPieces:
         return torch.cat([piece for _, piece in sorted(zip(starts, pieces), key=lambda pair: pair[0])])
 
 
-def row_runs(patch_key, rows: int) -> tuple[tuple[int, int], ...] | None:
+def row_runs(patch_key: PatchKey, rows: int) -> tuple[tuple[int, int], ...] | None:
     """The runs of ComfyUI's rows a key-map entry's rows are, in the file's order, when its converter function
     only reorders whole rows: ours (RowPieces) or ComfyUI's swap_scale_shift (a final modulation's [scale; shift]
     in diffusers' order, [shift; scale] in ComfyUI's: comfy/utils.py, flux_to_diffusers and its kin); else None."""
-    function = patch_key[2] if isinstance(patch_key, tuple) and len(patch_key) > 2 else None
-    if function is None or patch_key[1] is not None:
+    function = patch_key.convert
+    if function is None or patch_key.offset is not None:
         return None
     if isinstance(function, RowPieces):
         return function.runs
@@ -176,9 +177,10 @@ class ConverterRule:
             return None
         if self.rows:
             start, count, whole = self.rows
-            return (key, (0, start * total // whole, count * total // whole))
+            return PatchKey(key, Offset(0, start * total // whole, count * total // whole)).as_comfy()
         if self.pieces:
-            return (key, None, RowPieces(tuple((s * total // w, c * total // w) for s, c, w in self.pieces)))
+            runs = RowPieces(tuple((s * total // w, c * total // w) for s, c, w in self.pieces))
+            return PatchKey(key, convert=runs).as_comfy()
         return key
 
 
@@ -266,7 +268,7 @@ def equal_row_parts(key: str, rows: int, names: list[str]) -> list[tuple[str, tu
     if rows % len(names):
         return []
     height = rows // len(names)
-    return [(name, (key, (0, i * height, height))) for i, name in enumerate(names)]
+    return [(name, PatchKey(key, Offset(0, i * height, height)).as_comfy()) for i, name in enumerate(names)]
 
 
 def fused_weight_part_paths(model) -> list[tuple[str, tuple]]:
@@ -289,18 +291,18 @@ def musubi_split_qkv_names(listed: list[tuple[str, object]], shapes: dict) -> li
     its Tencent name (MUSUBI_SPLIT_QKV); a fused weight whose rows do not divide in three gets none."""
     names = []
     for path, target in listed:
-        if path.endswith(MUSUBI_FUSED_QKV) and isinstance(target, str):
+        if path.endswith(MUSUBI_FUSED_QKV) and PatchKey.from_comfy(target).is_whole:
             stem = MUSUBI + path[: -len(MUSUBI_FUSED_QKV)].replace(".", "_")
             names += equal_row_parts(target, shapes[target][0], [stem + part for part in MUSUBI_SPLIT_QKV])
     return names
 
 
-def _row_slices(comfy_map: dict) -> dict[str, set[tuple[int, int, int]]]:
+def _row_slices(comfy_map: dict) -> dict[str, set[Offset]]:
     """fused weight key -> the output-row slices ComfyUI's map gives parts of it (Flux's to_q/to_k/to_v in qkv)."""
     slices: dict[str, set] = {}
-    for target in comfy_map.values():
-        if isinstance(target, tuple) and len(target) == 2 and target[1] is not None and target[1][0] == 0:
-            slices.setdefault(target[0], set()).add(tuple(target[1]))
+    for target in map(PatchKey.from_comfy, comfy_map.values()):
+        if target.offset is not None and target.output_rows_only:
+            slices.setdefault(target.weight, set()).add(target.offset)
     return slices
 
 
@@ -312,10 +314,10 @@ def fused_part_names(comfy_map: dict) -> list[tuple[str, object]]:
     names = []
     for key, slices in _row_slices(comfy_map).items():
         start, index = 0, 0
-        while parts := [s for s in slices if s[1] == start]:
-            part = min(parts, key=lambda s: s[2])
-            names.append((f"{key[: -len(WEIGHT)]}.{index}", (key, part)))
-            start, index = start + part[2], index + 1
+        while parts := [s for s in slices if s.start == start]:
+            part = min(parts, key=lambda s: s.length)
+            names.append((f"{key[: -len(WEIGHT)]}.{index}", PatchKey(key, part).as_comfy()))
+            start, index = part.end, index + 1
     return names
 
 
@@ -391,7 +393,7 @@ def _encoder_roots(comfy_map: dict, weight_keys) -> dict[str, str]:
     left out."""
     roots: dict[str, set[str]] = {}
     for name, target in comfy_map.items():
-        if not isinstance(name, str) or not isinstance(target, str) or target not in weight_keys:
+        if not isinstance(name, str) or not PatchKey.from_comfy(target).is_whole or target not in weight_keys:
             continue
         for pipe in TEXT_ENCODER_PIPE_PREFIXES:
             path = name[len(pipe):] if name.startswith(pipe) else None
@@ -564,20 +566,22 @@ ROW_ORDER_UNKNOWN = {
 }
 
 
-def row_order_target(patch_key, adapter_named: bool, trained_on: str, shapes: dict) -> tuple[object, str | None]:
+def row_order_target(patch_key: PatchKey, adapter_named: bool, trained_on: str, shapes: dict
+                     ) -> tuple[PatchKey, str | None]:
     """(the key-map target of a module written this way, as the checkpoint it was trained on reads the rows, or why
     it cannot be placed): ROW_ORDER_UNKNOWN's modules go as they are for ComfyUI's rows, as a RowPieces entry for rows
     per head, and nowhere when that is not known. Only a whole weight: a row slice is one projection of diffusers'
     names (lightx2v's `to_q`), in ComfyUI's order."""
-    if not adapter_named or not isinstance(patch_key, str):
+    if not adapter_named or not patch_key.is_whole:
         return patch_key, None
-    question = next((q for pattern, q in ROW_ORDER_UNKNOWN.items() if pattern.fullmatch(patch_key)), None)
+    key = patch_key.weight
+    question = next((q for pattern, q in ROW_ORDER_UNKNOWN.items() if pattern.fullmatch(key)), None)
     if question is None or trained_on == TRAINED_ON_COMFY:
         return patch_key, None
-    runs = question.original_runs(patch_key, shapes) if trained_on == TRAINED_ON_ORIGINAL else None
+    runs = question.original_runs(key, shapes) if trained_on == TRAINED_ON_ORIGINAL else None
     if runs is None:
         return patch_key, question.reason
-    return (patch_key, None, RowPieces(runs)), None
+    return PatchKey(key, convert=RowPieces(runs)), None
 
 
 def extend(module, comfy_map: dict, is_clip: bool) -> dict:

@@ -27,7 +27,7 @@ def _weight_fp32(patcher, applied: Applied) -> torch.Tensor:
     key = applied.target.key
     temp = base_weight(patcher, key, unpatched_weight(patcher, key).device)
     if applied.target.offset is not None:
-        temp = temp.narrow(*applied.target.offset)
+        temp = temp.narrow(*applied.target.offset.as_comfy())
     return temp
 
 

@@ -17,6 +17,7 @@ from comfy_api.latest import io
 from ...lycoris_core import LycorisError
 from ...lycoris_core.tools import writer
 from ...lycoris_core.tools.metadata import ModuleRecord
+from ..glue.patch_key import PatchKey
 
 CATEGORY = "loaders/lycoris/tools"
 MAX_LISTED = 20
@@ -222,7 +223,7 @@ def file_names(key_map: dict) -> dict[str, str]:
         return style, len(name)
 
     for name, target in key_map.items():
-        if not isinstance(name, str) or not isinstance(target, str):
+        if not isinstance(name, str) or not PatchKey.from_comfy(target).is_whole:
             continue
         current = names.get(target)
         if current is None or rank(name) < rank(current):

@@ -28,6 +28,7 @@ from ..glue.coverage import Applied, model_family
 from ..glue.inputs import lycoris_input, lycoris_path
 from ..glue.keymap import TRAINED_ON, TRAINED_ON_COMFY, TRAINED_ON_ORIGINAL, TRAINED_ON_UNKNOWN, lora_key_map
 from ..glue.lora_files import validate_name
+from ..glue.patch_key import Offset
 from .common import (
     CATEGORY,
     Progress,
@@ -85,7 +86,7 @@ def weight_of(applied: Applied, model, clip) -> torch.Tensor:
     module = model.model if applied.target.side == "model" else clip.cond_stage_model
     weight = comfy.utils.get_attr(module, applied.target.key).detach()
     offset = applied.target.offset
-    return weight if offset is None else weight.narrow(offset[0], offset[1], offset[2])
+    return weight if offset is None else weight.narrow(offset.dim, offset.start, offset.length)
 
 
 def weight_key(applied: Applied) -> str:
@@ -149,8 +150,7 @@ def plan_modules(lfile: LycorisFile, model, clip, target: str, trained_on: str =
 def _is_row_part(applied: Applied) -> bool:
     """A module on rows of a diffusion-model weight, with no ComfyUI converter function in between."""
     target = applied.target
-    converter = isinstance(target.patch_key, tuple) and len(target.patch_key) > 2 and target.patch_key[2] is not None
-    return target.side == "model" and target.offset is not None and target.offset[0] == 0 and not converter
+    return target.side == "model" and target.offset is not None and target.patch_key.output_rows_only
 
 
 def _join_parts(key: str, members: list[tuple[str, Applied]], name: str, model, planned: list[Planned],
@@ -165,7 +165,7 @@ def _join_parts(key: str, members: list[tuple[str, Applied]], name: str, model, 
         if not convert.is_factored(applied.plan):
             return (f"{applied.module.label} on part of the fused weight {key}: joining parts into kohya's one "
                     f"weight needs each part's change as a low-rank product (not DoRA, OFT, ...)")
-        start, length = applied.target.offset[1], applied.target.offset[2]
+        start, length = applied.target.offset.start, applied.target.offset.length
         change = module_change(applied.plan, applied.module.tensors, 1.0, weight.narrow(0, start, length), device())
         pieces.append((start, change))
     joined = convert.join_rows(pieces, tuple(weight.shape))
@@ -205,7 +205,7 @@ def source_change(p: Planned, model, clip) -> "torch.Tensor | convert.Factors":
         weight = comfy.utils.get_attr(model.model, p.applied.target.key).detach()
         whole = torch.zeros(weight.shape[0], weight[0].numel(), dtype=torch.float32, device=device())
         for applied in p.joined:
-            start, length = applied.target.offset[1], applied.target.offset[2]
+            start, length = applied.target.offset.start, applied.target.offset.length
             change = module_change(applied.plan, applied.module.tensors, 1.0, weight.narrow(0, start, length),
                                    device())
             dense = change.dense() if isinstance(change, convert.Factors) else change
@@ -245,7 +245,7 @@ def complete_dora(planned: list[Planned], model, clip) -> list[Planned]:
 def _name_problem(applied: Applied, names: dict[str, str], target: str) -> str | None:
     style = "kohya" if target == convert.KOHYA else "diffusers/PEFT"
     if applied.target.offset is not None:
-        return FUSED_PART.format(offset=list(applied.target.offset), key=applied.target.key, target=style)
+        return FUSED_PART.format(offset=list(applied.target.offset.as_comfy()), key=applied.target.key, target=style)
     if weight_key(applied) not in names:
         return f"this model's key map has no {style} name for {weight_key(applied)}"
     return None
@@ -289,12 +289,12 @@ def differences(planned: list[Planned], tensors: dict, metadata: dict, model, cl
     found: dict[str, Difference | str] = {}
     for p in planned:
         back = by_name.get((p.name, written_param(p.applied)))
-        rows = None if p.rows is None else [0, *p.rows]
+        rows = None if p.rows is None else Offset(0, *p.rows)
         if p.joined:
             rows = None
         elif p.rows is None and p.applied.target.offset is not None:
-            rows = _offset(p.applied)
-        if back is None or back.target.key != p.applied.target.key or _offset(back) != rows:
+            rows = p.applied.target.offset
+        if back is None or back.target.key != p.applied.target.key or back.target.offset != rows:
             found[_check_key(p)] = "the written module does not read back onto the same weight"
             continue
         weight = part_weight(p, model, clip)
@@ -312,11 +312,6 @@ def written_param(applied: Applied) -> str:
     """The parameter a written module's suffixes name: a part named after its layer's other parameter (LightX2V's
     `diff_m` on `modulation`) is written on that parameter's own name as a `.diff` (convert.to_kohya)."""
     return applied.module.param if applied.module.param in ("weight", "bias") else "weight"
-
-
-def _offset(applied: Applied) -> list | None:
-    offset = applied.target.offset
-    return None if offset is None else list(offset)
 
 
 def _check_key(p: Planned) -> str:

@@ -36,6 +36,7 @@ from ..glue.cache import load_cached
 from ..glue.coverage import model_family
 from ..glue.keymap import lora_key_map
 from ..glue.object_params import REPLACES
+from ..glue.patch_key import Offset
 from ..glue.patched import base_weight
 from .common import (
     CATEGORY,
@@ -80,12 +81,13 @@ class Chain:
         a strength_model, a converter function, a window other than output rows): then only its dense change is
         known."""
         entries = []
-        for strength_patch, adapter, strength_model, offset, function in self.merged:
+        for strength_patch, adapter, strength_model, comfy_offset, function in self.merged:
             if not isinstance(adapter, LycorisAdapter) or strength_model != 1.0 or function is not None:
                 return None
-            if offset is not None and offset[0] != 0:
+            offset = Offset.from_comfy(comfy_offset)
+            if offset is not None and offset.dim != 0:
                 return None
-            rows = None if offset is None else (offset[1], offset[2])
+            rows = None if offset is None else (offset.start, offset.length)
             entries.append(Entry(adapter.plan, adapter.tensors, strength_patch, rows))
         return entries + [Entry(c.plan, c.tensors, c.strength, c.rows) for c in self.bypassed]
 
