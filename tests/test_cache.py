@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import os
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -291,26 +291,24 @@ def test_stats_and_the_log_line(tmp_path, monkeypatch, caplog):
 
 
 def test_concurrent_loads_keep_the_books_straight(tmp_path, monkeypatch):
-    """The prompt worker and aiohttp handlers can call at once; the table and its byte count must stay consistent."""
+    """The prompt worker and aiohttp handlers can call at once; the table and its byte count must stay consistent.
+    Any exception in any worker fails the test (a race shows as KeyError or 'mutated during iteration', not only as
+    a failed assertion): each worker's future holds what ended it."""
     paths = [lora_file(tmp_path, f"{i}.safetensors", seed=i) for i in range(4)]
     set_budget(monkeypatch, 2.5 * tensor_bytes())
-    errors = []
 
     def worker(offset):
-        try:
-            for i in range(40):
-                file = cache.load_cached(paths[(i + offset) % 4])
-                assert up_weight(file).shape == (64, 4)
-                cache.stats()
-        except AssertionError as e:
-            errors.append(e)
+        for i in range(40):
+            file = cache.load_cached(paths[(i + offset) % 4])
+            assert up_weight(file).shape == (64, 4)
+            cache.stats()
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        futures = [pool.submit(worker, k) for k in range(6)]
+    raised = [future.exception() for future in futures]
+    failures = [f"worker {k}: {type(e).__name__}: {e}" for k, e in enumerate(raised) if e is not None]
+    if failures:  # every worker's exception named; the first one's traceback chained
+        raise AssertionError("; ".join(failures)) from next(e for e in raised if e is not None)
     stats = cache.stats()
     assert stats.files <= 2 and stats.bytes == stats.files * tensor_bytes()
 
