@@ -12,8 +12,6 @@ Truth never comes from our own code:
   forward pass with unit inputs;
 * documented equivalences (an LBW vector and its named rules, uniform block weights and the plain loader) compare two
   paths bitwise.
-
-Tests named in a "BUG (open)" docstring fail on purpose until the bug is fixed.
 """
 
 import dataclasses
@@ -153,8 +151,8 @@ def test_bad_text_is_a_clear_error(text, message):
 @pytest.mark.parametrize("text", ["default=nan", "te=inf", "input_blocks.1=-inf", "middle_block=1e999",
                                   ",".join(["1"] * 16 + ["nan"])])
 def test_non_finite_block_weight_is_an_error(text):
-    """BUG (open): float() accepts 'nan'/'inf'/'1e999', so these parse and NaN/inf strengths reach add_patches, which
-    writes NaN/inf into the model's weights (nothing else in the pack lets a non-finite number through)."""
+    """A non-finite block weight ('nan', 'inf', '1e999', which float() accepts) is a LycorisError when parsed, so no
+    NaN/inf strength reaches add_patches and the model's weights (once let through by float())."""
     with pytest.raises(LycorisError):
         parse(text)
 
@@ -327,10 +325,9 @@ def test_broken_user_presets_are_an_error_naming_the_file(content, user_dir):
 
 
 def test_broken_user_presets_do_not_hide_the_node(user_dir):
-    """BUG (open): the preset combo is built from the user file when ComfyUI asks for the schema (/object_info, prompt
-    validation), so one typo in block_weight_presets.json makes LyCORIS Loader (Block Weights) vanish from the node
-    library and every workflow using it fail validation, even with preset 'custom'. Expected: the schema lists the
-    shipped presets (and logs the problem); only choosing a user preset raises the error naming the file."""
+    """A broken block_weight_presets.json leaves the schema (/object_info, prompt validation) intact: the preset combo
+    still lists 'custom' and the shipped presets, so LyCORIS Loader (Block Weights) stays in the node library (it once
+    vanished on one typo in the user file)."""
     _user_presets(user_dir, '{"Mine": "te=0",}')
     options = LycorisBlockWeights.INPUT_TYPES()["optional"]["preset"][1]["options"]
     assert options[: len(SHIPPED_NAMES) + 1] == ["custom", *SHIPPED_NAMES]
@@ -447,10 +444,8 @@ def test_sdxl_transformer_blocks_are_where_sdxl_has_attention(key_sets):
 def test_a_listed_block_name_works_as_a_rule(arch, key_sets, meta_keys):
     """LyCORIS Block Info lists blocks by block_of() as 'the names to use in block weights': `<name>=0` must select
     exactly the keys of that block and of the blocks listed under it (`final_layer` also covers
-    `final_layer.adaLN_modulation.1`, `te.clip_l` the whole encoder).
-
-    BUG (open) for the text encoder: blocks are listed as `te.clip_l.layers.5`, but rules are matched against
-    `te.clip_l.transformer.text_model.encoder.layers.5…`, so `te.clip_l.layers.5=0` selects nothing."""
+    `final_layer.adaLN_modulation.1`, `te.clip_l` the whole encoder), on every architecture, the text encoders'
+    short names such as `te.clip_l.layers.5` included (those once selected nothing)."""
     keys = key_sets[arch] if arch in key_sets else meta_keys[arch]
     by_block: dict[str, set[str]] = {}
     for key in keys:
@@ -687,9 +682,9 @@ def test_lbw_vector_patches_bitwise_like_the_named_rules(size, named, sd15, lora
 
 
 def test_preset_with_the_nodes_default_text(sd15, loras, originals):
-    """BUG (open): presets that set `default` ('NONE', 'Text encoder only', 'UNet: middle only') do nothing with the
-    node's own default block_weights text 'default=1': the preset text is followed by it and the last `default=`
-    wins. Expected: 'Text encoder only' leaves the diffusion model untouched."""
+    """A preset that sets `default` ('Text encoder only') keeps its effect beside the node's own default
+    block_weights text 'default=1': the text encoder is patched and the diffusion model untouched (the node's
+    `default=1` once overrode the preset's)."""
     model, clip = sd15
     name = write(loras, "unet_and_te.safetensors", {**lora(TO_Q, 320, 320, seed=1), **lora(TE_Q, 768, 768, seed=2)})
     default_text = LycorisBlockWeights.INPUT_TYPES()["required"]["block_weights"][1]["default"]
@@ -714,8 +709,8 @@ def test_block_weights_node_equals_loader_when_uniform(sd15, loras):
 
 
 def test_block_info_lists_names_that_work_as_rules(sd15, loras):
-    """LyCORIS Block Info: one line per touched block; weighting a listed name 0 makes exactly that block's change 0.
-    Fails on the text-encoder naming bug (see test_a_listed_block_name_works_as_a_rule)."""
+    """LyCORIS Block Info: one line per touched block; weighting a listed name 0 makes exactly that block's change 0,
+    text-encoder blocks included (see test_a_listed_block_name_works_as_a_rule)."""
     model, clip = sd15
     te5 = "lora_te_text_model_encoder_layers_5_mlp_fc1"
     mid = "lora_unet_middle_block_1_proj_out"
