@@ -289,7 +289,7 @@ def test_loader_and_summary_parse_or_name_the_file(data):
             if error is not None:
                 check_refusal(error)
             elif read is summarize:
-                json.dumps(result.to_json(with_modules=True))  # what the route and the panel send
+                json.dumps(result.to_json(with_modules=True), allow_nan=False)  # what the route and the panel send
                 result.text().encode("utf-8")
         assert_loader_and_summary_agree(*readings[lycoris_core.load], *readings[summarize])
 
@@ -389,7 +389,7 @@ def test_summary_reads_or_names_the_file(state_dict, meta):
         if error is not None:
             check_refusal(error)
         else:
-            json.dumps(summary.to_json(with_modules=True))
+            json.dumps(summary.to_json(with_modules=True), allow_nan=False)  # NaN/Infinity are not JSON
             summary.text().encode("utf-8")
         parsed, load_error = outcome(lycoris_core.load, path)
         if load_error is not None:

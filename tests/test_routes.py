@@ -156,11 +156,16 @@ def test_corrupt_safetensors_is_422_naming_the_file(kind, loras):
 
 
 def test_inf_alpha_answers_json(loras):
-    """The file is damaged (the loaders refuse it), yet /lycoris/info answers 200 with `"alpha": {"min": Infinity, …}`,
-    which the panel's response.json() cannot parse. See test_summary.test_non_finite_alpha_gives_valid_json."""
+    """A file whose only module has an infinite alpha (the loaders refuse it): /lycoris/info answers 200 in strict
+    JSON (no `Infinity` token for the panel's response.json() to choke on), the module counted as damaged: no
+    module, no alpha range, its three keys unused, and the warning naming the alpha key.
+    See test_summary.test_non_finite_alpha_gives_valid_json."""
     sd = lora(TO_Q, 320, 320, seed=1)
     sd[f"{TO_Q}.alpha"] = torch.tensor(float("inf"))
-    get_name(write(loras, "inf_alpha.safetensors", sd))
+    status, body, _ = get_name(write(loras, "inf_alpha.safetensors", sd))
+    assert status == 200
+    assert (body["module_count"], body["alpha"], body["unused_keys"]) == (0, None, 3)
+    assert body["warnings"] == [f"1 damaged module: the loader refuses this file ('{TO_Q}.alpha': alpha is NaN or Inf)"]
 
 
 def test_route_in_an_aiohttp_app(loras):

@@ -440,14 +440,18 @@ def test_reads_no_tensor_data_but_alpha_and_on_input(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 def test_non_finite_alpha_gives_valid_json(value, tmp_path):
-    """A damaged alpha is read as is: the summary's alpha range becomes Infinity/NaN, which `json.dumps` writes as
-    the bare tokens `Infinity`/`NaN` — not JSON, so the browser's `response.json()` on /lycoris/info and the
-    websocket/history payload of the Info node fail. The loaders refuse such a file; the summary should treat the
-    module as damaged (like a shape error: counted in unused_keys) so the range stays finite."""
+    """A non-finite alpha makes its module damaged, as a shape error does: its three keys are counted in
+    unused_keys, the warning names the alpha key and says the loader refuses the file, and the alpha range is the
+    other module's, so the summary is strict JSON (bare `Infinity`/`NaN` tokens would break the browser's
+    `response.json()` on /lycoris/info and the Info node's payload)."""
     sd = {**lora(SD_UNET + "attn1_to_q", 320, 320), **lora(SD_UNET + "attn1_to_k", 320, 320, alpha=1.0)}
     sd[f"{SD_UNET}attn1_to_q.alpha"] = torch.tensor(value)
     s = summarize(write(tmp_path / "bad_alpha.safetensors", sd))
     json.dumps(s.to_json(with_modules=True), allow_nan=False)
+    assert s.module_count == 1 and s.unused_keys == 3 and s.alpha == {"min": 1.0, "max": 1.0}
+    assert [m.key for m in s.modules] == [f"{SD_UNET}attn1_to_k.weight"]
+    warning = f"1 damaged module: the loader refuses this file ('{SD_UNET}attn1_to_q.alpha': alpha is NaN or Inf)"
+    assert s.warnings == [warning]
 
 
 # --- block_of ------------------------------------------------------------------------------------------------------
