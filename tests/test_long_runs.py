@@ -34,7 +34,7 @@ def test_panel_charts_stay_bounded_over_many_block_weights(sd15, loras):
     session, so a sweep of block weights (an XY plot, a random search) added one chart per run without end."""
     model, clip = sd15
     name = lora_file(loras)
-    bound = getattr(panel_report, "CHARTS_PER_MODEL", 64)
+    bound = panel_report.CHARTS_PER_MODEL
     for i in range(bound + 16):
         block_weights_run(model, clip, name, f"default=1; input_blocks.*={i / 100:.2f}")
     assert len(panel_report._charts[model.model]) <= bound
