@@ -39,7 +39,7 @@ from patcher_util import (
     stored,
     variant_dtype_params,
 )
-from reference.lycoris_factory import LAYER, VARIANTS, functional_forward, probe
+from reference.lycoris_factory import LAYER, VARIANTS, chain_truth, functional_forward, probe
 
 # Bypass never rounds the stored weight, so one 16-bit and one fp8 storage dtype cover the cast paths (fp16 and e5m2
 # differ from bf16 and e4m3 only in the values the stored weight can hold, which the truth already reflects).
@@ -263,6 +263,24 @@ def test_bypass_chains_equal_chained_merges(reference_files, bases, files):
     assert count == len(weight_layers(reference_files[files[1]].variant))
     for n in layers:
         assert_close_to_truth(bypassed[n], merged[n], reference_files[files[1]].y_base[torch.float32][n], 0.0, n)
+
+
+# Every pair chained above, and test_stacked_bypass_in_order_equals_chained_merge's
+REFERENCE_CHAINS = [("locon", "glora"), *CHAINS]
+
+
+@pytest.mark.parametrize("mode", ["merge", "bypass"])
+@pytest.mark.parametrize("files", REFERENCE_CHAINS, ids=["+".join(pair) for pair in REFERENCE_CHAINS])
+def test_chains_equal_the_reference_applied_in_turn(reference_files, bases, files, mode, tmp_path):
+    """File A at 1 then file B at 0.5 on one layer, merged or bypassed, against the reference alone: the weight and
+    bias A gives are read off reference network A's forward, reference network B is built on a layer holding them,
+    and its forward is the truth (`chain_truth`), so the pack's own chained merge is not the only judge."""
+    first, second = reference_files[files[0]], reference_files[files[1]]
+    ours, layers, _ = chained_outputs(reference_files, bases, (mode, mode), files)
+    assert layers
+    truth = chain_truth(first, second, layers, 0.5, tmp_path)
+    for n in layers:
+        assert_close_to_truth(ours[n], truth[n], first.y_base[torch.float32][n], 0.0, f"{'+'.join(files)} {n}")
 
 
 def test_weight_reader_merged_after_a_bypassed_file_runs_after_it(reference_files, bases):

@@ -534,13 +534,18 @@ def _clamp_active(net) -> dict[str, bool]:
     return out
 
 
+def _seeded_network(variant: Variant, directory: Path):
+    """The variant's network on the float32 base with its seeded adapter values, not yet applied (kohya's is)."""
+    gen = torch.Generator().manual_seed(SEED + sum(map(ord, variant.id)))
+    net = _create(variant, base_model(torch.float32, variant.container), variant.layers, directory)
+    _randomise(net, gen)
+    return net
+
+
 @torch.no_grad()
 def generate(variant: Variant, directory: Path) -> GeneratedFile:
     directory = Path(directory)
-    gen = torch.Generator().manual_seed(SEED + sum(map(ord, variant.id)))
-    master_model = base_model(torch.float32, variant.container)
-    net = _create(variant, master_model, variant.layers, directory)
-    _randomise(net, gen)
+    net = _seeded_network(variant, directory)
     snapshot = _snapshot(net)
     _apply(net)
     path = directory / f"{variant.id}.safetensors"
@@ -558,6 +563,65 @@ def generate(variant: Variant, directory: Path) -> GeneratedFile:
             y_ref[(dtype, m)] = {name: getattr(model, name)(probe(name).to(variant.container)).double()
                                  for name in variant.layers}
     return GeneratedFile(variant, path, y_base, y_ref, clamp)
+
+
+@torch.no_grad()
+def effective_parameters(layer: str, forward: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W, b) of an affine Linear/conv `forward` shaped like `layer`, read off the forward alone: b = f(0), and the
+    column of input (channel c, kernel tap t) = f(e_{c,t}) − b. A conv is fed windows the size of its kernel and read
+    at the output position whose window is exactly that input (index = padding; stride and dilation are 1 here); an
+    output channel of group g sees only its group's input channels, so the rest must read 0."""
+    module = _template(layer)
+    if isinstance(module, nn.Linear):
+        bias = forward(torch.zeros(1, module.in_features, dtype=dtype))[0]
+        return (forward(torch.eye(module.in_features, dtype=dtype)) - bias).T, bias
+    assert set(module.stride) == {1} and set(module.dilation) == {1}, layer
+    kernel, groups = module.kernel_size, module.groups
+    columns = module.in_channels * math.prod(kernel)
+    at = (slice(None), slice(None), *module.padding)
+    bias = forward(torch.zeros(1, module.in_channels, *kernel, dtype=dtype))[at][0]
+    basis = torch.eye(columns, dtype=dtype).reshape(columns, module.in_channels, *kernel)
+    full = (forward(basis)[at] - bias).T.reshape(module.out_channels, module.in_channels, *kernel)
+    per_out, per_in = module.out_channels // groups, module.in_channels // groups
+    blocks = [full[g * per_out:(g + 1) * per_out, g * per_in:(g + 1) * per_in] for g in range(groups)]
+    outside = full.clone()
+    for g in range(groups):
+        outside[g * per_out:(g + 1) * per_out, g * per_in:(g + 1) * per_in] = 0
+    assert not outside.any(), f"{layer}: the forward mixes groups"
+    return torch.cat(blocks), bias
+
+
+def truth_network(generated: GeneratedFile, model: nn.Module, directory: Path):
+    """The reference network of a generated file built and applied on `model` (whatever its weights), as `generate`
+    builds its truth: the seeded adapter values, or the reference's loader reading the file."""
+    snapshot = _snapshot(_seeded_network(generated.variant, Path(directory)))
+    return _truth_network(generated.variant, model, snapshot, generated.path, Path(directory))
+
+
+@torch.no_grad()
+def chain_truth(first: GeneratedFile, second: GeneratedFile, layers: list[str], strength: float,
+                directory: Path) -> dict[str, torch.Tensor]:
+    """Per layer, the output of `first` at multiplier 1 followed by `second` at `strength` (linear strength), from
+    the reference's forward passes only: (W_A, b_A) read off network A's forward (`effective_parameters`), network B
+    built on a float32 base whose layers hold them, and y = y_A + strength·(y_AB − y_A), y_A the output with
+    (W_A, b_A) and y_AB network B's forward at multiplier 1."""
+    model_a = base_model(torch.float32, first.variant.container)
+    truth_network(first, model_a, directory).set_multiplier(1.0)
+    container = second.variant.container
+    model_b = base_model(torch.float32, container)
+    for name in layers:
+        weight, bias = effective_parameters(name, getattr(model_a, name), first.variant.container)
+        target = getattr(model_b, name)
+        target.weight.data = weight.to(container)
+        if target.bias is None:
+            assert not bias.any(), f"{first.variant.id} gave {name} a bias"
+        else:
+            target.bias.data = bias.to(container)
+    y_a = {name: getattr(model_b, name)(probe(name).to(container)).double() for name in layers}
+    truth_network(second, model_b, directory).set_multiplier(1.0)
+    y_ab = {name: getattr(model_b, name)(probe(name).to(container)).double() for name in layers}
+    return {name: y_a[name] + strength * (y_ab[name] - y_a[name]) for name in layers}
 
 
 def reference_fails(variant: Variant, layer: str, directory: Path) -> str | None:
