@@ -5,6 +5,7 @@ ComfyUI does not roll back a patch that raises half-way, and clones share one mo
 """
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -111,12 +112,25 @@ def check_values(state_dict: Mapping[str, torch.Tensor], file: str | None = None
 
 def metadata_json(metadata: Mapping[str, str], key: str):
     """A metadata value that holds JSON, parsed; None when it is absent or is not JSON Python can read back (bad
-    syntax, nested past the recursion limit, a number of more than 4300 digits). For values that only describe a
+    syntax, nested past the recursion limit, a number of more than 4300 digits) or holds a number JSON cannot
+    write again (NaN, Infinity, 1E400: the summary is served as strict JSON). For values that only describe a
     file (trigger words, training settings): what cannot be read is left out, never a reason to refuse the file."""
     try:
-        return _encodable_json(json.loads(metadata.get(key) or "null"))
+        return _encodable_json(json.loads(metadata.get(key) or "null", parse_constant=_not_finite,
+                                          parse_float=_finite_float))
     except (ValueError, RecursionError):  # JSONDecodeError is a ValueError, as is the digit limit
         return None
+
+
+def _not_finite(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows a float")
+    return value
 
 
 def _encodable_json(value):

@@ -454,6 +454,23 @@ def test_non_finite_alpha_gives_valid_json(value, tmp_path):
     assert s.warnings == [warning]
 
 
+@pytest.mark.parametrize("config,kept", [
+    ('{"algo": "lokr", "factor": 8}', {"algo": "lokr", "factor": 8}),
+    ('{"algo": "lokr", "factor": 1E400}', None),  # the case the strict fuzz check found: float("1E400") is inf
+    ('{"algo": "lokr", "dropout": NaN}', None),
+    ('{"algo": "lokr", "dropout": -Infinity}', None),
+    ('{"algo": "lokr", "factor": 10000000000000000000000000000}', {"algo": "lokr", "factor": 10**28}),
+])
+def test_metadata_json_with_a_number_json_cannot_write_is_left_out(config, kept, tmp_path):
+    """Metadata JSON is read as Python reads JSON, which takes NaN, Infinity and 1E400 (inf); the summary is served
+    as strict JSON (/lycoris/info, the Info node's payload), so such a value is left out like unreadable JSON, and the
+    file still reads."""
+    sd = lora(SD_UNET + "attn1_to_q", 320, 320)
+    s = summarize(write(tmp_path / "config.safetensors", sd, {"lycoris_config": config}))
+    json.dumps(s.to_json(with_modules=True), allow_nan=False)
+    assert s.lycoris_config == kept and s.module_count == 1
+
+
 # --- block_of ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key,block", [
