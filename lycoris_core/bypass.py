@@ -44,10 +44,6 @@ from .casting import cast, cast_all, compute_dtype
 from .module import Plan
 from .patch import change
 
-# Algorithms whose change reads the current weight (DoRA is decided by the plan).
-READS_WEIGHT = frozenset({"glora", "ia3", "diag-oft", "oft-diag-v2", "kohya-oft", "comfy-oft", "boft",
-                          "peft-oft", "peft-boft", "peft-ia3", "peft-oft-embedding"})
-
 
 @dataclass(frozen=True)
 class Contribution:
@@ -262,8 +258,9 @@ def changed_weight(weight: torch.Tensor, contributions: list[Contribution]) -> t
 
 
 def reads_weight(plan: Plan) -> bool:
-    """Whether this plan's change depends on the weight it is applied to."""
-    return plan.dora_axis is not None or plan.algorithm in READS_WEIGHT
+    """Whether this plan's change depends on the layer's weight (Plan.reads_param, for a change of the weight). A
+    change of the bias that reads the bias (PEFT's (IA)³ l ⊙ b) is prepared from the bias apart (`changes_bias`)."""
+    return plan.reads_param and BY_NAME[plan.algorithm].param == "weight"
 
 
 def is_bypassable(plan: Plan) -> bool:

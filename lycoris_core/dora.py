@@ -32,7 +32,7 @@ from dataclasses import replace
 
 import torch
 
-from .algos.base import Additive, Algorithm, Form, FormSite, Layout, ShapeError, Tensors
+from .algos.base import Additive, Algorithm, Form, FormSite, Layout, RowAdder, ShapeError, Tensors
 from .casting import add_scaled, cast_all, pieces
 from .keys import DORA_SCALE
 
@@ -102,9 +102,6 @@ def _norm(v: torch.Tensor, axis: str) -> torch.Tensor:
     shape = [1] * v.ndim
     shape[keep] = v.shape[keep]
     return squares.sqrt_().reshape(shape)
-
-
-RowAdder = Callable[[torch.Tensor, int], None]  # add(out, first): out += dW[first:first + len(out)] (strength 1)
 
 
 def merge_into(add_into: Callable[[Tensors, Layout, torch.Tensor, float, torch.Tensor], None], t: Tensors,

@@ -179,15 +179,9 @@ def option_warnings(name: str, parts: Iterable[tuple[Module, Layout]]) -> list[s
             by_options.setdefault((module.algorithm.name, ", ".join(assumed)), []).append(module)
     return [f"{name}: {len(group)} {group[0].algorithm.label} modules (e.g. '{group[0].prefix}') carry no options and "
             f"no PEFT config gives them (neither the file's 'lora_adapter_metadata' nor an adapter_config.json beside "
-            f"it): assumed PEFT's defaults {assumed}; if it was trained otherwise ({OTHER_OPTIONS.get(algorithm, 'other options')}), put "
-            f"its adapter_config.json beside it"
-            for (algorithm, assumed), group in by_options.items()]
-
-
-# What a trainer may have set that the defaults replace, per algorithm with options (`assumed` in its layout)
-OTHER_OPTIONS = {"peft-oft": "COFT, exact Cayley, another number of Neumann terms",
-                 "peft-oft-embedding": "COFT, exact Cayley, another number of Neumann terms",
-                 "peft-ia3": "these layers in its feedforward_modules, so their inputs are scaled"}
+            f"it): assumed PEFT's defaults {assumed}; if it was trained otherwise "
+            f"({group[0].algorithm.assumable_options}), put its adapter_config.json beside it"
+            for (_, assumed), group in by_options.items()]
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,6 @@ from .algos.base import expect
 from .errors import LycorisError
 from .keys import ALPHA, DORA_SCALE, PEFT_MAGNITUDE
 
-# Algorithms whose alpha is a scale alpha/r, as PEFT's LoRA, LoHa and LoKr configs define theirs (and LoRA's bias).
-SCALED_BY_ALPHA = frozenset({"locon", "loha", "lokr", "peft-lora-bias", "peft-lora-embedding"})
 # Where a module's rows go when each block of them is applied as a module of its own (Module.rows)
 ROW_BLOCKS = ("separate weights (a fused module on a model that keeps its parts apart) or separate row blocks (a "
               "weight whose rows the file stores in another order)")
@@ -42,6 +40,12 @@ class Plan:
     def label(self) -> str:
         label = BY_NAME[self.algorithm].label_for(self.layout)
         return f"{label}+DoRA" if self.dora_axis else label
+
+    @property
+    def reads_param(self) -> bool:
+        """Whether the change depends on the current value of the parameter it patches: the algorithm's own maths
+        (Algorithm.reads_param), or DoRA's norm of W + ΔW."""
+        return self.dora_axis is not None or BY_NAME[self.algorithm].reads_param
 
 
 @dataclass(frozen=True)
@@ -168,7 +172,7 @@ def build_modules(prefix: str, group: dict[str, torch.Tensor], file: str | None 
             used.update(tensors)
             continue
         module_alpha, assumed = alpha, False
-        if alpha is None and algorithm.name in SCALED_BY_ALPHA:
+        if alpha is None and algorithm.scale_from_peft_config:
             if scale is not None:  # PEFT's scale whatever our own rule for this layout (LoKr's full factors: 1)
                 layout = replace(layout, scale=scale)
                 module_alpha = scale * layout.rank if layout.rank else None

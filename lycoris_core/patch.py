@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from . import dora
-from .algos import BY_NAME, locon, loha, lokr
+from .algos import BY_NAME
 from .casting import cast, cast_all, compute_dtype, widens, working_copy
 from .keys import DORA_SCALE
 from .module import Plan
@@ -41,7 +41,7 @@ def merge(plan: Plan, t: dict[str, torch.Tensor], w: torch.Tensor, weight: torch
     if algorithm.merge_into is not None:
         algorithm.merge_into(t, plan.layout, w, m, plan.reference)
     elif plan.dora_axis is not None:
-        adder = ROW_PIECES.get(plan.algorithm)
+        adder = algorithm.row_adder
         dora.merge_into(algorithm.add_into, t, plan.layout, w, weight, t[DORA_SCALE], plan.dora_axis, m,
                         plan.reference, None if adder is None else adder(t, plan.layout, 1.0))
     else:
@@ -82,8 +82,9 @@ def apply(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Tensor, st
         return weight
     function = _real_function(function)
     dtype = compute_dtype(intermediate_dtype)
-    t = cast_all(tensors, weight.device, dtype, keep=BY_NAME[plan.algorithm].dense)
-    row_adder = ROW_PIECES.get(plan.algorithm) if plan.algorithm in ROW_PIECES_16 else None
+    algorithm = BY_NAME[plan.algorithm]
+    t = cast_all(tensors, weight.device, dtype, keep=algorithm.dense)
+    row_adder = algorithm.row_adder if algorithm.patch_16bit_by_rows else None
     if (row_adder is not None and function is None and plan.dora_axis is None and weight.ndim >= 1
             and weight.dtype in _PIECEWISE_DTYPES and dtype == torch.float32
             and not widens(weight.dtype, intermediate_dtype)):
@@ -92,7 +93,7 @@ def apply(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Tensor, st
     if function is None:
         # linear DoRA at m != 1 reads W after V = W + ΔW is formed: V gets a buffer of its own (at m = 1, W' = g·V;
         # the fused out-axis merge keeps W's rows itself)
-        fused = plan.dora_axis == dora.OUT and plan.algorithm in ROW_PIECES
+        fused = plan.dora_axis == dora.OUT and algorithm.row_adder is not None
         w = working_copy(weight, dtype, private=plan.dora_axis is not None and not plan.reference and strength != 1
                          and not fused)
         merge(plan, t, w, weight, strength)
@@ -107,20 +108,6 @@ def apply(plan: Plan, tensors: dict[str, torch.Tensor], weight: torch.Tensor, st
     return w if widens(weight.dtype, intermediate_dtype) else weight
 
 
-def _locon_rows(t: dict[str, torch.Tensor], lay, m: float) -> dora.RowAdder:
-    """LoCon's rows [first, first + n) of s·m·A@B are s·m·A[first:first + n]@B."""
-    up, down = locon.factors(t, lay)
-
-    def add(out: torch.Tensor, first: int) -> None:
-        out.view(out.shape[0], -1).addmm_(up.narrow(0, first, out.shape[0]), down, alpha=lay.scale * m)
-
-    return add
-
-
-# Algorithms that add any window of their change's rows: row_adder(t, layout, m)(out, first) does out += m·ΔW[first:…]
-# (the fused DoRA merge for all; the piecewise 16-bit patch for LoKr only, ROW_PIECES_16)
-ROW_PIECES = {"lokr": lokr.row_adder, "locon": _locon_rows, "loha": loha.row_adder}
-ROW_PIECES_16 = ("lokr",)
 _PIECEWISE_DTYPES = (torch.float16, torch.bfloat16)
 
 

@@ -20,6 +20,8 @@ small functions:
   the weight it was made for, as a module of its own: ΔW_rows = ΔW[start:start + count] exactly, for a model that
   keeps those rows as a separate weight (diffusers' fused `to_qkv` on ComfyUI's separate q/k/v). Views or a row
   window, never a copy; None where the change of some rows depends on other rows (OFT's rotations, GLoRA's W·A).
+* ``row_adder(t, layout, m) -> add(out, first)``: add(out, first) does out += m·ΔW[first:first + len(out)] in place,
+  for any window of the change's rows (the fused out-axis DoRA merge; LoKr's 16-bit patch a piece of rows at a time).
 
 Both write into a contiguous W (in the compute dtype) and make no weight-sized temporary: what they need beyond W is
 the size of the factors, or a piece of W (`casting.pieces`).
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from ..casting import cast
 
 Tensors = dict[str, torch.Tensor]
+RowAdder = Callable[[torch.Tensor, int], None]  # add(out, first): out += ΔW[first:first + len(out)] (see Algorithm)
 
 
 class ShapeError(ValueError):
@@ -95,6 +98,31 @@ class Algorithm:
     # what users read for a module whose weight has no kernel wider than 1 (a Linear, a 1×1 conv): "LoRA", not LoCon
     pointwise_label: str | None = None
     rows: "Callable[[Tensors, Layout, int, int], tuple[Tensors, Layout]] | None" = None
+    # ΔW depends on the current value of the parameter it patches (`param`), not on the file alone: OFT's and BOFT's
+    # rotations of W, GLoRA's W·A, (IA)³'s scaled W, PEFT's (IA)³ bias l ⊙ b. Such a change is computed from W as the
+    # changes before it left it (bypass.py), and not from a weight ComfyUI hands over in another layout than the
+    # file's. DoRA reads W whatever the algorithm (Plan.reads_param).
+    reads_param: bool = False
+    # Its scale is alpha / r as PEFT's LoRA, LoHa and LoKr configs define theirs: a file without an alpha tensor takes
+    # it from the module's PEFT config, else alpha = rank is assumed (module.build_modules).
+    scale_from_peft_config: bool = False
+    # row_adder(t, layout, m) -> add(out, first): out += m·ΔW[first:first + len(out)] for any window of ΔW's rows,
+    # what the fused out-axis DoRA merge adds piece by piece (dora.merge_into)
+    row_adder: "Callable[[Tensors, Layout, float], RowAdder] | None" = None
+    # an fp16/bf16 weight is patched through `row_adder` a piece of rows at a time (patch._add_in_pieces), measured for
+    # LoKr under LowVramPatch (issue #13), instead of through a whole fp32 working copy
+    patch_16bit_by_rows: bool = False
+    # what a trainer may have set that PEFT's defaults replace, in the warning for modules whose layout `assumed` some
+    # options (lycoris_file.option_warnings)
+    assumable_options: str = "other options"
+    # why a module of it has no exact form as PEFT's LoRA (no_peft_form) or under kohya/LyCORIS names
+    # (no_kohya_form), for the Convert tool (tools/convert.py); None where it may have one
+    no_peft_form: str | None = None
+    no_kohya_form: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.patch_16bit_by_rows and self.row_adder is None:
+            raise ValueError(f"{self.name}: patch_16bit_by_rows needs a row_adder")
 
     def label_for(self, layout: Layout) -> str:
         kernel = layout.shape[2:] if layout.shape else ()

@@ -121,5 +121,7 @@ def bypass(t: Tensors, lay: BOFTLayout, at: FormSite) -> ChannelMap | None:
 
 ALGORITHM = Algorithm(
     name="boft", label="BOFT", markers=(BLOCKS,), marker_ndim=4, keys=(BLOCKS, RESCALE),
-    layout=layout, merge_into=merge_into, bypass=bypass,
+    layout=layout, merge_into=merge_into, bypass=bypass, reads_param=True,
+    no_peft_form="LyCORIS' BOFT has no PEFT form with the same maths (PEFT's BOFT differs in its butterfly "
+                 "permutations)",
 )

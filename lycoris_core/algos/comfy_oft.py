@@ -40,5 +40,5 @@ def layout(t: Tensors, alpha: float | None) -> Layout:
 ALGORITHM = Algorithm(
     name="comfy-oft", label="OFT (ComfyUI trainer)", markers=(oft.BLOCKS,), marker_ndim=3,
     keys=(oft.BLOCKS, oft.RESCALE), prefixes=(PREFIX,),
-    layout=layout, merge_into=oft.merge_into, bypass=oft.bypass,
+    layout=layout, merge_into=oft.merge_into, bypass=oft.bypass, reads_param=True,
 )

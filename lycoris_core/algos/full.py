@@ -18,7 +18,7 @@ from ..casting import add_scaled
 from .base import Algorithm, Layout, Tensors, narrowed_rows, require
 
 
-def _difference(key: str, param: str, label: str, split: bool = False) -> Algorithm:
+def _difference(key: str, param: str, label: str, no_peft_form: str, split: bool = False) -> Algorithm:
     def layout(t: Tensors, alpha: float | None) -> Layout:
         (diff,) = require(t, key)
         return Layout(None, 1.0, diff.shape[0] if diff.ndim else 1, shape=tuple(diff.shape))
@@ -31,15 +31,18 @@ def _difference(key: str, param: str, label: str, split: bool = False) -> Algori
 
     name = key.replace("_", "-")
     return Algorithm(name=name, label=label, markers=(key,), keys=(key,), layout=layout,
-                     add_into=add_into, dense=(key,), param=param, uses_alpha=False, rows=rows if split else None)
+                     add_into=add_into, dense=(key,), param=param, uses_alpha=False, rows=rows if split else None,
+                     no_peft_form=no_peft_form)
 
 
 # a weight's and a bias's difference split by output rows; a norm layer's is never part of a fused projection
-FULL = _difference("diff", "weight", "Full", split=True)
-FULL_BIAS = _difference("diff_b", "bias", "Full (bias)", split=True)
-NORM = _difference("w_norm", "weight", "Norm")
-NORM_BIAS = _difference("b_norm", "bias", "Norm (bias)")
+FULL = _difference("diff", "weight", "Full", "a full weight difference has no PEFT adapter form (PEFT's "
+                   "modules_to_save replaces a weight, it does not add to it)", split=True)
+FULL_BIAS = _difference("diff_b", "bias", "Full (bias)", "a full bias difference has no PEFT adapter form", split=True)
+NORM = _difference("w_norm", "weight", "Norm", "a norm-layer difference has no PEFT adapter form")
+NORM_BIAS = _difference("b_norm", "bias", "Norm (bias)", "a norm-layer bias difference has no PEFT adapter form")
 # LightX2V's distill LoRAs (ModelTC/LightX2V tools/extract/lora_extractor.py `_generate_lora_diff_key`: a Wan
 # block's `modulation` parameter, shape (1, 6, dim), written as `<block>.diff_m`; lightx2v/utils/lora_loader.py
 # `apply_lora` adds it as param += diff·strength, like `.diff`): the block's own parameter, no Linear or Conv forward
-MODULATION = _difference("diff_m", "modulation", "Full (modulation)")
+MODULATION = _difference("diff_m", "modulation", "Full (modulation)", "a full difference of a modulation parameter "
+                         "(LightX2V's diff_m) has no PEFT adapter form")

@@ -181,5 +181,5 @@ def rows(t: Tensors, lay: GLoRALayout, start: int, count: int) -> tuple[Tensors,
 
 ALGORITHM = Algorithm(
     name="glora", label="GLoRA", markers=(A1,), keys=(A1, A2, B1, B2),
-    layout=layout, add_into=add_into, bypass=bypass, factored=factored, rows=rows,
+    layout=layout, add_into=add_into, bypass=bypass, factored=factored, rows=rows, reads_param=True,
 )

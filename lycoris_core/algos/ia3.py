@@ -82,5 +82,7 @@ def rows(t: Tensors, lay: IA3Layout, start: int, count: int) -> tuple[Tensors, L
 
 ALGORITHM = Algorithm(
     name="ia3", label="(IA)³", markers=(ON_INPUT,), keys=(WEIGHT,),
-    layout=layout, add_into=add_into, uses_alpha=False, bypass=bypass, rows=rows,
+    layout=layout, add_into=add_into, uses_alpha=False, bypass=bypass, rows=rows, reads_param=True,
+    no_peft_form="LyCORIS' (IA)³ scales W's columns by 1 + w; PEFT's IA3 multiplies by its vector itself (no "
+                 "identity)",
 )

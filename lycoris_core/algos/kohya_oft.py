@@ -52,5 +52,6 @@ def bypass(t: Tensors, lay: OFTLayout, at: FormSite) -> ChannelMap | None:
 
 ALGORITHM = Algorithm(
     name="kohya-oft", label="OFT (kohya)", markers=(BLOCKS,), marker_ndim=3, keys=(BLOCKS,),
-    layout=layout, merge_into=merge_into, bypass=bypass,
+    layout=layout, merge_into=merge_into, bypass=bypass, reads_param=True,
+    no_peft_form="kohya's OFT has no PEFT form with the same maths (PEFT's OFT uses its own Cayley-Neumann rotation)",
 )

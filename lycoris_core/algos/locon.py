@@ -26,6 +26,7 @@ from .base import (
     FormSite,
     LayerOp,
     Layout,
+    RowAdder,
     Tensors,
     expect,
     narrowed_rows,
@@ -109,7 +110,18 @@ def rows(t: Tensors, lay: Layout, start: int, count: int) -> tuple[Tensors, Layo
     return narrowed_rows(t, lay, start, count, UP)
 
 
+def row_adder(t: Tensors, lay: Layout, m: float) -> RowAdder:
+    """add(out, first): rows [first, first + n) of s·m·U₂D₂ are s·m·U₂[first:first + n]·D₂."""
+    up, down = factors(t, lay)
+
+    def add(out: torch.Tensor, first: int) -> None:
+        rows_2d(out).addmm_(up.narrow(0, first, out.shape[0]), down, alpha=lay.scale * m)
+
+    return add
+
+
 ALGORITHM = Algorithm(
     name="locon", label="LoCon", pointwise_label="LoRA", markers=(UP,), keys=(UP, DOWN, MID),
     layout=layout, add_into=add_into, supports_dora=True, bypass=bypass, factored=factored, rows=rows,
+    scale_from_peft_config=True, row_adder=row_adder,
 )

@@ -165,4 +165,5 @@ def rows(t: Tensors, lay: Layout, start: int, count: int) -> tuple[Tensors, Layo
 ALGORITHM = Algorithm(
     name="loha", label="LoHa", markers=(W1A,), keys=(W1A, W1B, W2A, W2B, T1, T2),
     layout=layout, add_into=add_into, supports_dora=True, bypass=bypass, factored=factored, rows=rows,
+    scale_from_peft_config=True, row_adder=row_adder,
 )

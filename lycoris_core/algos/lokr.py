@@ -301,4 +301,5 @@ def rows(t: Tensors, lay: Layout, start: int, count: int) -> tuple[Tensors, Layo
 ALGORITHM = Algorithm(
     name="lokr", label="LoKr", markers=(W1, W1A), keys=(W1, W1A, W1B, W2, W2A, W2B, T2, ROW_OFFSET),
     layout=layout, add_into=add_into, supports_dora=True, bypass=bypass, factored=factored, rows=rows,
+    scale_from_peft_config=True, row_adder=row_adder, patch_16bit_by_rows=True,
 )

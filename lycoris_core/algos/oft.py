@@ -218,9 +218,12 @@ def bypass_old(t: Tensors, lay: OFTLayout, at: FormSite) -> ChannelMap | None:
 
 ALGORITHM = Algorithm(
     name="diag-oft", label="Diag-OFT", markers=(BLOCKS,), marker_ndim=3, keys=(BLOCKS, RESCALE),
-    layout=layout, merge_into=merge_into, bypass=bypass,
+    layout=layout, merge_into=merge_into, bypass=bypass, reads_param=True,
+    no_peft_form="LyCORIS' diag-OFT has no PEFT form with the same maths (PEFT's OFT rotates by its own "
+                 "Cayley-Neumann series and block layout)",
 )
 OLD_ALGORITHM = Algorithm(
     name="oft-diag-v2", label="Diag-OFT (LyCORIS 2.0)", markers=(OLD_R,), keys=(OLD_R,),
-    layout=layout_old, merge_into=merge_into_old, uses_alpha=False, bypass=bypass_old,
+    layout=layout_old, merge_into=merge_into_old, uses_alpha=False, bypass=bypass_old, reads_param=True,
+    no_peft_form="LyCORIS 2.0's OFT has no PEFT form with the same maths",
 )

@@ -138,5 +138,6 @@ def bypass(t: Tensors, lay: PeftBOFTLayout, at: FormSite) -> Rotated | None:
 
 ALGORITHM = Algorithm(
     name="peft-boft", label="BOFT (PEFT)", markers=(BLOCKS,), keys=(BLOCKS, SCALE),
-    layout=layout, merge_into=merge_into, uses_alpha=False, bypass=bypass,
+    layout=layout, merge_into=merge_into, uses_alpha=False, bypass=bypass, reads_param=True,
+    no_kohya_form="PEFT's BOFT has no LyCORIS/kohya form with the same maths",
 )

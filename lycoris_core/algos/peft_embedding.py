@@ -53,6 +53,7 @@ LORA = Algorithm(
     name="peft-lora-embedding", label="LoRA (PEFT, embedding)", markers=(LORA_A, LORA_B),
     keys=(LORA_A, LORA_B), layout=lora_layout, add_into=lora_add_into, factored=lora_factored,
     supports_dora=True,  # only to see the magnitude and refuse it (lora_layout)
+    scale_from_peft_config=True, no_kohya_form="PEFT's LoRA on an embedding has no kohya/LyCORIS key",
 )
 
 
@@ -68,4 +69,6 @@ def oft_merge_into(t: Tensors, lay: peft_oft.PeftOFTLayout, weight: torch.Tensor
 OFT = Algorithm(
     name="peft-oft-embedding", label="OFT (PEFT, embedding)", markers=(OFT_R,), keys=(OFT_R, *peft_oft.OPTION_KEYS),
     layout=functools.partial(peft_oft.layout, key=OFT_R), merge_into=oft_merge_into, uses_alpha=False,
+    reads_param=True, assumable_options=peft_oft.ASSUMABLE_OPTIONS,
+    no_kohya_form="PEFT's OFT on an embedding has no LyCORIS/kohya form",
 )

@@ -106,7 +106,9 @@ def rows(t: Tensors, lay: PeftIA3Layout, start: int, count: int) -> tuple[Tensor
 
 ALGORITHM = Algorithm(
     name="peft-ia3", label="(IA)³ (PEFT)", markers=(SCALES,), keys=(SCALES, *OPTION_KEYS),
-    layout=layout, add_into=add_into, uses_alpha=False, bypass=bypass, rows=rows,
+    layout=layout, add_into=add_into, uses_alpha=False, bypass=bypass, rows=rows, reads_param=True,
+    assumable_options="these layers in its feedforward_modules, so their inputs are scaled",
+    no_kohya_form="PEFT's IA3 multiplies by its vector; LyCORIS' (IA)³ by 1 + w and only on one side: no same maths",
 )
 
 
@@ -145,4 +147,6 @@ def bias_rows(t: Tensors, lay: PeftIA3BiasLayout, start: int, count: int) -> tup
 BIAS_ALGORITHM = Algorithm(
     name="peft-ia3-bias", label="(IA)³ (PEFT, bias)", markers=(SCALES,), keys=(SCALES, *OPTION_KEYS),
     layout=bias_layout, add_into=add_bias_into, param="bias", uses_alpha=False, optional=True, rows=bias_rows,
+    reads_param=True,  # b' = l ⊙ b: the change of the bias is read from the bias
+    no_kohya_form="PEFT's IA3 bias part has no LyCORIS/kohya form",
 )

@@ -34,5 +34,6 @@ def rows(t: Tensors, lay: Layout, start: int, count: int) -> tuple[Tensors, Layo
 
 ALGORITHM = Algorithm(
     name="peft-lora-bias", label="LoRA (PEFT, bias)", markers=(BIAS,), keys=(BIAS, UP),
-    layout=layout, add_into=add_into, param="bias", layout_only=(UP,), rows=rows,
+    layout=layout, add_into=add_into, param="bias", layout_only=(UP,), rows=rows, scale_from_peft_config=True,
+    no_kohya_form="PEFT's LoRA bias (lora_B.bias) has no kohya/LyCORIS LoRA key",
 )

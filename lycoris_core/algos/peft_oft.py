@@ -45,6 +45,8 @@ SERIES_BEFORE_0_18 = "series_before_0_18"
 DEFAULTS: dict[str, float] = {"use_cayley_neumann": True, "num_cayley_neumann_terms": 5, "coft": False,
                               "eps": 6e-5, SERIES_BEFORE_0_18: False}
 OPTION_KEYS = tuple(OPTION_PREFIX + name for name in DEFAULTS)
+# what a trainer may have set that DEFAULTS replace (Algorithm.assumable_options)
+ASSUMABLE_OPTIONS = "COFT, exact Cayley, another number of Neumann terms"
 
 
 def read_options(t: Tensors, defaults: dict[str, float]) -> tuple[dict[str, float], tuple[str, ...]]:
@@ -181,7 +183,10 @@ def bypass(t: Tensors, lay: PeftOFTLayout, at: FormSite) -> ChannelMap | None:
 
 ALGORITHM = Algorithm(
     name="peft-oft", label="OFT (PEFT)", markers=(OFT_R,), keys=(OFT_R, *OPTION_KEYS),
-    layout=layout, merge_into=merge_into, uses_alpha=False, bypass=bypass,
+    layout=layout, merge_into=merge_into, uses_alpha=False, bypass=bypass, reads_param=True,
+    assumable_options=ASSUMABLE_OPTIONS,
+    no_kohya_form="PEFT's OFT has no LyCORIS/kohya form with the same maths (LyCORIS' diag-OFT uses the exact "
+                  "Cayley transform, PEFT a Neumann series and its own options)",
 )
 
 
@@ -197,4 +202,5 @@ def old_layout(t: Tensors, alpha: float | None) -> Layout:
 OLD_ALGORITHM = Algorithm(
     name="peft-oft-old", label="OFT (PEFT < 0.16)", markers=(OLD_R,), keys=(OLD_R, OLD_S),
     layout=old_layout, uses_alpha=False,
+    no_kohya_form="PEFT's old OFT has no LyCORIS/kohya form with the same maths",
 )

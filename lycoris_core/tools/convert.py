@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..algos import BY_NAME
 from ..algos.base import tucker_factors
 from ..dora import OUT
 from ..keys import ALPHA, DORA_SCALE, PEFT_MAGNITUDE
@@ -47,31 +48,6 @@ LORA_A, LORA_B = "lora_A.weight", "lora_B.weight"
 COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
 PEFT_WRAPPER = "base_model.model."
 
-# Why a module of this algorithm has no exact form on the other side.
-NO_PEFT_FORM = {
-    "ia3": "LyCORIS' (IA)³ scales W's columns by 1 + w; PEFT's IA3 multiplies by its vector itself (no identity)",
-    "diff": "a full weight difference has no PEFT adapter form (PEFT's modules_to_save replaces a weight, it does "
-            "not add to it)",
-    "w-norm": "a norm-layer difference has no PEFT adapter form",
-    "kohya-oft": "kohya's OFT has no PEFT form with the same maths (PEFT's OFT uses its own Cayley-Neumann rotation)",
-    "diag-oft": "LyCORIS' diag-OFT has no PEFT form with the same maths (PEFT's OFT rotates by its own "
-                "Cayley-Neumann series and block layout)",
-    "oft-diag-v2": "LyCORIS 2.0's OFT has no PEFT form with the same maths",
-    "boft": "LyCORIS' BOFT has no PEFT form with the same maths (PEFT's BOFT differs in its butterfly permutations)",
-    "diff-b": "a full bias difference has no PEFT adapter form",
-    "diff-m": "a full difference of a modulation parameter (LightX2V's diff_m) has no PEFT adapter form",
-    "b-norm": "a norm-layer bias difference has no PEFT adapter form",
-}
-NO_KOHYA_FORM = {
-    "peft-oft": "PEFT's OFT has no LyCORIS/kohya form with the same maths (LyCORIS' diag-OFT uses the exact Cayley "
-                "transform, PEFT a Neumann series and its own options)",
-    "peft-oft-old": "PEFT's old OFT has no LyCORIS/kohya form with the same maths",
-    "peft-boft": "PEFT's BOFT has no LyCORIS/kohya form with the same maths",
-    "peft-ia3": "PEFT's IA3 multiplies by its vector; LyCORIS' (IA)³ by 1 + w and only on one side: no same maths",
-    "peft-ia3-bias": "PEFT's IA3 bias part has no LyCORIS/kohya form",
-    "peft-oft-embedding": "PEFT's OFT on an embedding has no LyCORIS/kohya form",
-    "peft-lora-bias": "PEFT's LoRA bias (lora_B.bias) has no kohya/LyCORIS LoRA key",
-}
 IN_AXIS_DORA = ("DoRA on the input axis (LyCORIS' original dora_scale (1, in, 1...)): PEFT's magnitude is per "
                 "output row, a different weight decomposition")
 
@@ -243,9 +219,10 @@ def to_peft(module: Module, plan: Plan, shape: tuple[int, ...], weight: torch.Te
             tensors[PEFT_MAGNITUDE] = peft_magnitude(module.tensors[DORA_SCALE], shape)
         form = "lora" + (" (Tucker folded into lora_A)" if folded else "") + ("+dora" if plan.dora_axis else "")
         return Converted(tensors, plan.layout.rank, plan.layout.scale * plan.layout.rank, form)
-    if name in NO_PEFT_FORM:
-        return NO_PEFT_FORM[name]
-    if name in NO_KOHYA_FORM or name.startswith("peft-"):
+    algorithm = BY_NAME[name]
+    if algorithm.no_peft_form is not None:
+        return algorithm.no_peft_form
+    if algorithm.no_kohya_form is not None or name.startswith("peft-"):
         return f"{module.label} is PEFT's own form; only LoRA converts between PEFT files here"
     if plan.dora_axis is not None and plan.dora_axis != OUT:
         return IN_AXIS_DORA
@@ -279,10 +256,8 @@ def to_kohya(module: Module, plan: Plan, shape: tuple[int, ...]) -> Converted | 
     """The module under kohya/LyCORIS suffixes, or the reason it has none. LyCORIS' own algorithms keep their
     tensors; a PEFT LoRA gets its scale as alpha = s·r and its magnitude as an out-axis dora_scale (out, 1…)."""
     name = plan.algorithm
-    if name in NO_KOHYA_FORM:
-        return NO_KOHYA_FORM[name]
-    if name == "peft-lora-embedding":
-        return "PEFT's LoRA on an embedding has no kohya/LyCORIS key"
+    if BY_NAME[name].no_kohya_form is not None:
+        return BY_NAME[name].no_kohya_form
     if name == "diff-m":  # named after the parameter itself, as ComfyUI's generic key map names it (`….modulation`)
         return Converted({"diff": module.tensors["diff_m"]}, None, None, "diff (on the parameter's own name)")
     tensors = {k: t for k, t in module.tensors.items() if k != DORA_SCALE}

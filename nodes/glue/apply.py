@@ -16,7 +16,6 @@ from comfy.patcher_extension import WrappersMP
 
 from ...lycoris_core import LycorisError, LycorisFile, Module, Plan
 from ...lycoris_core.block_weights import BlockWeights
-from ...lycoris_core.bypass import reads_weight
 from ...lycoris_core.lycoris_file import option_warnings
 from .adapter import LycorisAdapter
 from .bypass import bypassed_layers, contribution, forward_check, injection, layer_name, patch_route
@@ -114,9 +113,11 @@ def find_target(module: Module, key_map: dict, shapes: dict[str, dict], trained_
 
 
 def reads_converted_weight(target: Target, plan: Plan) -> bool:
-    """A change computed from a weight ComfyUI hands over in its own layout, where the file's is converted: ComfyUI's
-    converter function maps a change, not the weight it is computed from (e.g. Flux's swapped norm_out halves)."""
-    return target.patch_key.is_converted and (reads_weight(plan) or plan.algorithm == "peft-ia3-bias")
+    """A change computed from a parameter ComfyUI hands over in its own layout, where the file's is converted:
+    ComfyUI's converter function maps a change, not the weight (or bias) it is computed from (e.g. Flux's swapped
+    norm_out halves). Plan.reads_param: the change reads the parameter it patches (PEFT's (IA)³ bias part reads the
+    bias)."""
+    return target.patch_key.is_converted and plan.reads_param
 
 
 SUPERSEDED = ("the file's fused module {fused} covers this weight: diffusers keeps the unfused projection beside the "
