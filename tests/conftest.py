@@ -8,8 +8,7 @@ _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
-import re
-
+from ci_strictness import fail_skip_outside_the_matrix
 from comfy_env import IN_CI, setup_comfy
 
 setup_comfy()  # sys.path + args.cpu = True, before anything imports comfy.model_management
@@ -30,35 +29,16 @@ import_pack()  # so test modules can `from lycoris_nodes... import` at module le
 LONG_FILES_FIRST = ("test_gpu_kit.py",)
 
 
-# The skips .ci/run allows: this ComfyUI lacks what the test is about (a model family, a loader, a mechanism of the
-# other ComfyUI of the matrix). Their reasons name it: "this ComfyUI has no …", "ComfyUI 0.3.75 has no …", "… exists in
-# ComfyUI 0.33 only", "… an older ComfyUI". Any other skip there (an oracle that failed to import, a dependency not
-# unpacked) fails the test: CI must not pass with half its truth missing.
-VERSION_MATRIX = re.compile(r"\bthis ComfyUI\b|\bComfyUI 0\.\d+|\ban older ComfyUI\b")
-
-
-def _skip_reason(report) -> str:
-    return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-
-
-def _fail_skip_outside_the_matrix(report) -> None:
-    if IN_CI and report.skipped and not hasattr(report, "wasxfail"):
-        reason = _skip_reason(report)
-        if not VERSION_MATRIX.search(reason):
-            report.outcome = "failed"
-            report.longrepr = f"skipped under .ci/run (LYCORIS_CI=1) for a reason outside the version matrix: {reason}"
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
-    _fail_skip_outside_the_matrix(outcome.get_result())
+    fail_skip_outside_the_matrix(outcome.get_result(), IN_CI)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
     outcome = yield
-    _fail_skip_outside_the_matrix(outcome.get_result())  # a module skipped as a whole
+    fail_skip_outside_the_matrix(outcome.get_result(), IN_CI)  # a module skipped as a whole
 
 
 def pytest_collection_modifyitems(items):
