@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from ..casting import cast
 
 Tensors = dict[str, torch.Tensor]
-RowAdder = Callable[[torch.Tensor, int], None]  # add(out, first): out += ΔW[first:first + len(out)] (see Algorithm)
+RowAdder = Callable[[torch.Tensor, int], None]  # add(out, first): out += dW[first:first + len(out)] (see Algorithm)
 
 
 class ShapeError(ValueError):

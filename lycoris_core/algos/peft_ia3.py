@@ -147,6 +147,6 @@ def bias_rows(t: Tensors, lay: PeftIA3BiasLayout, start: int, count: int) -> tup
 BIAS_ALGORITHM = Algorithm(
     name="peft-ia3-bias", label="(IA)³ (PEFT, bias)", markers=(SCALES,), keys=(SCALES, *OPTION_KEYS),
     layout=bias_layout, add_into=add_bias_into, param="bias", uses_alpha=False, optional=True, rows=bias_rows,
-    reads_param=True,  # b' = l ⊙ b: the change of the bias is read from the bias
+    reads_param=True,  # b' = l * b (elementwise): the change of the bias is read from the bias
     no_kohya_form="PEFT's IA3 bias part has no LyCORIS/kohya form",
 )

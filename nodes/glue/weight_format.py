@@ -217,7 +217,7 @@ class WeightFormat:
     name: str | None  # how it is stored when not plain float (`storage_format`: "fp8 e4m3fn", "int8", "GGUF Q4_0")
     readable: bool  # `float_weight` can read it (a change that reads W can then run in the forward)
     merge_exact: bool  # a merge patches it with no loss beyond its dtype's rounding (plain float, any GGUF)
-    merge_rounds: bool  # a merge re-rounds W+ΔW into its stored format (fp8, ComfyUI's quantized layouts)
+    merge_rounds: bool  # a merge re-rounds W + dW into its stored format (fp8, ComfyUI's quantized layouts)
     merged_copy: torch.dtype | None  # a plain float (not GGUF) tensor's dtype: ComfyUI merges through a copy of it
 
     def merged_narrower(self, compute_dtype: torch.dtype | None) -> bool:
