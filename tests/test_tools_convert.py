@@ -288,8 +288,7 @@ def test_refusals(sd15, twin, loras):  # noqa: F811
 
 def test_diffusers_names_are_what_save_lora_weights_writes(sd15):
     model, clip = sd15
-    names = tool_convert.convert.diffusers_names({**lora_key_map(model.model, False),
-                                                  **lora_key_map(clip.cond_stage_model, True)})
+    names = tool_convert.diffusers_names({**lora_key_map(model.model, False), **lora_key_map(clip.cond_stage_model, True)})
     assert names[test_nodes.TO_Q_KEY].startswith("unet.down_blocks.") and names[test_nodes.TO_Q_KEY].endswith(
         ".attn1.to_q")
     assert names[test_nodes.TE_Q_KEY] == "text_encoder.text_model.encoder.layers.0.self_attn.q_proj"

@@ -46,7 +46,6 @@ UP, DOWN, MID = "lora_up.weight", "lora_down.weight", "lora_mid.weight"
 LORA_A, LORA_B = "lora_A.weight", "lora_B.weight"
 # The pipeline components diffusers' save_lora_weights prefixes its names with.
 COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
-PEFT_WRAPPER = "base_model.model."
 
 IN_AXIS_DORA = ("DoRA on the input axis (LyCORIS' original dora_scale (1, in, 1...)): PEFT's magnitude is per "
                 "output row, a different weight decomposition")
@@ -71,74 +70,6 @@ def component_path(name: str) -> tuple[str, str] | None:
         if name.startswith(component + "."):
             return component, name[len(component) + 1:]
     return None
-
-
-def _diffusers_rank(name: str) -> int:
-    # CLIP's `text_model.` form first: what transformers 4 wrote, and diffusers reads it with transformers 5 too
-    # (lora_base._load_lora_into_text_encoder strips it when the model has no `text_model`). Otherwise the first
-    # name the key map lists wins: ComfyUI's tables give a layer's diffusers name first and other trainers'
-    # aliases for it after (Flux's `ff.net.0.proj`, then `ff.linear_in`).
-    return 0 if ".text_model." in name else 1
-
-
-def diffusers_names(key_map: Mapping) -> dict[str, str]:
-    """ComfyUI weight key -> the name diffusers' save_lora_weights writes for it (`unet.…`, `transformer.…`,
-    `text_encoder[_N].…`): among the names the model's key map gives the whole weight, a component's plain module
-    path (no PEFT wrapper, not ComfyUI's old `.processor.` attention names), the first listed."""
-    names: dict[str, str] = {}
-    for name, target in key_map.items():
-        if not isinstance(name, str) or not isinstance(target, str) or ".processor." in name:
-            continue
-        found = component_path(name)
-        if found is None or found[1].startswith(PEFT_WRAPPER):
-            continue
-        current = names.get(target)
-        if current is None or _diffusers_rank(name) < _diffusers_rank(current):
-            names[target] = name
-    return names
-
-
-# ComfyUI's Flux name table (comfy.utils.flux_to_diffusers) lists, from 0.33 on, Flux 2's single-block names
-# beside Flux 1's for the same weights (marked "# Flux 2" there): linear1 whole as `attn.to_qkv_mlp_proj` (Flux 1:
-# to_q/to_k/to_v/proj_mlp row parts), linear2 as `attn.to_out` (Flux 1: `proj_out`). Which ones diffusers' model
-# has depends on the model, so the names of the other generation are left out.
-FLUX2_SINGLE_BLOCK = (".attn.to_qkv_mlp_proj", ".attn.to_out")
-
-
-def for_flux_generation(key_map: Mapping, flux2: bool) -> dict:
-    """The key map without the single-block names of the other Flux generation (a no-op for other models)."""
-    def keep(name) -> bool:
-        if not isinstance(name, str) or "single_transformer_blocks." not in name:
-            return True
-        return name.endswith(FLUX2_SINGLE_BLOCK) == flux2
-    return {name: target for name, target in key_map.items() if keep(name)}
-
-
-def part_names(key_map: Mapping) -> dict[str, list[tuple[int, int, str]]]:
-    """Fused ComfyUI weight key -> [(first row, rows, diffusers name)] tiling all its rows, for weights diffusers
-    keeps as separate layers (Flux's qkv as to_q/to_k/to_v, linear1 as those and proj_mlp): from row 0, each part
-    is the shortest named slice starting where the previous one ended (the caller checks they reach the last row).""" 
-    slices: dict[str, dict[tuple[int, int], str]] = {}
-    for name, target in key_map.items():
-        if not (isinstance(name, str) and isinstance(target, tuple) and len(target) == 2 and target[1] is not None
-                and target[1][0] == 0 and isinstance(target[0], str)):
-            continue
-        found = component_path(name)
-        if found is None or found[1].startswith(PEFT_WRAPPER):
-            continue
-        span = (target[1][1], target[1][2])
-        current = slices.setdefault(target[0], {}).get(span)
-        if current is None or _diffusers_rank(name) < _diffusers_rank(current):
-            slices[target[0]][span] = name
-    tilings = {}
-    for key, named in slices.items():
-        start, parts = 0, []
-        while candidates := [span for span in named if span[0] == start]:
-            span = min(candidates, key=lambda s: s[1])
-            parts.append((span[0], span[1], named[span]))
-            start += span[1]
-        tilings[key] = parts
-    return {key: parts for key, parts in tilings.items() if parts}
 
 
 def rows_of(change: "Factors | torch.Tensor", start: int, length: int) -> "Factors | torch.Tensor":

@@ -17,7 +17,6 @@ from comfy_api.latest import io
 from ...lycoris_core import LycorisError
 from ...lycoris_core.tools import writer
 from ...lycoris_core.tools.metadata import ModuleRecord
-from ..glue.patch_key import PatchKey
 
 CATEGORY = "loaders/lycoris/tools"
 MAX_LISTED = 20
@@ -202,30 +201,3 @@ class ToolReport:
 
     def node_output(self) -> io.NodeOutput:
         return io.NodeOutput(self.file, self.text(), ui={"text": [self.text()]})
-
-
-# The name styles a written module may take, most widely read first: kohya's (every LoRA tool and ComfyUI's core
-# loader), then ComfyUI's generic names (every weight of every model, any loader built on ComfyUI's key maps).
-# SD1.x's single text encoder is `lora_te_` for kohya's scripts and A1111 (`lora_te1_` is SDXL's first encoder; SDXL's
-# key map has no `lora_te_` names, so it keeps te1/te2).
-NAME_PREFERENCE = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "lora_prior_unet_",
-                   "diffusion_model.", "text_encoders.")
-
-
-def file_names(key_map: dict) -> dict[str, str]:
-    """ComfyUI weight key -> the module name a file written for it uses, from the model's LoRA key map (nodes/glue/apply.py
-    `lora_key_map`, which maps every name a loader accepts to its weight). Only names that map a whole weight (no
-    offset into a fused one) qualify; among those, NAME_PREFERENCE decides, then the shortest name."""
-    names: dict[str, str] = {}
-
-    def rank(name: str) -> tuple[int, int]:
-        style = next((i for i, p in enumerate(NAME_PREFERENCE) if name.startswith(p)), len(NAME_PREFERENCE))
-        return style, len(name)
-
-    for name, target in key_map.items():
-        if not isinstance(name, str) or not PatchKey.from_comfy(target).is_whole:
-            continue
-        current = names.get(target)
-        if current is None or rank(name) < rank(current):
-            names[target] = name
-    return names

@@ -2,11 +2,11 @@
 
 Names come from the model: every module is placed by the loader's own mapping (apply.map_file, ComfyUI's key map
 extended with diffusers/PEFT names), and the weight it lands on is named in the target style (kohya: the name
-every LoRA tool and ComfyUI's core loader read, tools/common.py: file_names; diffusers: what save_lora_weights writes,
-convert.diffusers_names). The tensors are converted by lycoris_core/tools/convert.py. Every written module is
-then read back by the loader's own parser and maths and compared with the source module's change: a module that
-does not reproduce it (relative 1e-5, fp32) is not written. What cannot be converted is reported per module with
-its reason, or, with on_unconvertible = error, refuses the whole conversion.
+every LoRA tool and ComfyUI's core loader read; diffusers: what save_lora_weights writes; glue/written_names.py).
+The tensors are converted by lycoris_core/tools/convert.py. Every written module is then read back by the loader's
+own parser and maths and compared with the source module's change: a module that does not reproduce it (relative
+1e-5, fp32) is not written. What cannot be converted is reported per module with its reason, or, with
+on_unconvertible = error, refuses the whole conversion.
 """
 
 import os
@@ -29,13 +29,13 @@ from ..glue.inputs import lycoris_input, lycoris_path
 from ..glue.keymap import TRAINED_ON, TRAINED_ON_COMFY, TRAINED_ON_ORIGINAL, TRAINED_ON_UNKNOWN, lora_key_map
 from ..glue.lora_files import validate_name
 from ..glue.patch_key import Offset
+from ..glue.written_names import RowPart, diffusers_names, file_names, for_flux_generation, part_names
 from .common import (
     CATEGORY,
     Progress,
     ToolReport,
     checkpoint,
     device,
-    file_names,
     input_path,
     output_name_input,
     overwrite_input,
@@ -110,13 +110,13 @@ def plan_modules(lfile: LycorisFile, model, clip, target: str, trained_on: str =
     _patches, mapped = map_file(lfile, model, clip, reference=False, trained_on=trained_on)
     key_map = key_map_of(model, clip)
     if target == convert.DIFFUSERS:
-        key_map = convert.for_flux_generation(key_map, is_flux2(model))
-    names = file_names(key_map) if target == convert.KOHYA else convert.diffusers_names(key_map)
+        key_map = for_flux_generation(key_map, is_flux2(model))
+    names = file_names(key_map) if target == convert.KOHYA else diffusers_names(key_map)
     refused = list(mapped.problems) + list(mapped.harmless) + list(mapped.unused_keys)  # none is written
     planned: list[Planned] = []
     taken: dict[tuple[str, str], str] = {}  # (name, parameter) -> the module key that took it
     progress = Progress(len(mapped.targets))
-    parts = convert.part_names(key_map) if target == convert.DIFFUSERS else {}
+    parts = part_names(key_map) if target == convert.DIFFUSERS else {}
     fused: dict[str, list[tuple[str, Applied]]] = {}  # kohya: weight key -> the modules on its row parts
     for module_key, applied in mapped.targets.items():
         progress.step()
@@ -177,7 +177,7 @@ def _join_parts(key: str, members: list[tuple[str, Applied]], name: str, model, 
     return None
 
 
-def _plan_parts(module_key: str, applied: Applied, parts: list[tuple[int, int, str]], model, clip,
+def _plan_parts(module_key: str, applied: Applied, parts: list[RowPart], model, clip,
                 planned: list[Planned], taken: dict) -> str | None:
     """A module on a weight diffusers splits (Flux's qkv into to_q/to_k/to_v): one LoRA per part, its lora_B
     rows (and DoRA magnitude rows) the part's rows, lora_A shared. ΔW's rows are exactly up's rows times down,

@@ -17,6 +17,7 @@ from ...lycoris_core.tools.metadata import ModuleRecord, tool_metadata
 from ..glue.coverage import model_family
 from ..glue.keymap import lora_key_map
 from ..glue.patched import patched_weight
+from ..glue.written_names import file_names
 from . import common
 from .common import CATEGORY, Progress, ToolReport
 
@@ -31,11 +32,11 @@ CLI_HELP = "extract a LoCon/LoKr file from the difference of a tuned checkpoint 
 
 class Side:
     """One part (diffusion model or text encoder): tuned and base patchers, the weight keys to compare and the name
-    each is written under (common.file_names over ComfyUI's key map)."""
+    each is written under (file_names over ComfyUI's key map)."""
 
     def __init__(self, label: str, tuned, base, is_clip: bool, base_name: str, config=None):
         self.label, self.tuned, self.base = label, tuned, base
-        names = {k: n for k, n in common.file_names(lora_key_map(tuned.model, is_clip)).items()
+        names = {k: n for k, n in file_names(lora_key_map(tuned.model, is_clip)).items()
                  if k.endswith(".weight")}  # a bias goes with its weight's module, as diff_b
         tuned_sd = tuned.model.state_dict()
         self.dropped = sorted(k for k in names if is_clip and k in tuned_sd and not_saved_text_weight(config, k, tuned_sd))

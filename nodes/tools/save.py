@@ -38,6 +38,7 @@ from ..glue.keymap import lora_key_map
 from ..glue.object_params import REPLACES
 from ..glue.patch_key import Offset
 from ..glue.patched import base_weight
+from ..glue.written_names import file_names
 from .common import (
     CATEGORY,
     DTYPES,
@@ -46,7 +47,6 @@ from .common import (
     checkpoint,
     device,
     dtype_input,
-    file_names,
     input_path,
     output_name_input,
     output_path,
