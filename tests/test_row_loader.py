@@ -7,15 +7,20 @@ LightX2V-style files on ComfyUI's own WAN21 at a tiny width, two instances with 
 2.2 A14B's high-noise and low-noise experts (ComfyUI loads both as WAN21; test_distill_diffs.lightx2v_file).
 """
 
+import asyncio
 import json
+from unittest.mock import patch
 
 import comfy.model_management
 import comfy.model_patcher
+import execution
 import pytest
 import test_block_weights
 import test_nodes
 import torch
+from comfy_execution.graph import DynamicPrompt
 from lycoris_nodes.lycoris_core import LycorisError
+from lycoris_nodes.nodes.loading import row_loader
 from lycoris_nodes.nodes.loading.loaders import LycorisLoader, LycorisLoaderModelOnly
 from lycoris_nodes.nodes.loading.row_loader import LycorisExperts, LycorisRows
 from lycoris_nodes.nodes.loading.weighting import LycorisBlockWeights
@@ -28,6 +33,8 @@ from test_distill_diffs import lightx2v_file
 from test_nodes import weights_after_full_load, write
 from test_stack_schedule import UNET_KEYS, assert_same_weights, weights
 from test_video_dit_peft import ARCHS, comfy_model
+
+import nodes as comfy_nodes  # ComfyUI's nodes.py
 
 sd15 = test_nodes.sd15  # fixtures
 loras = test_nodes.loras
@@ -214,6 +221,35 @@ def test_fingerprint_follows_a_rewritten_file(installed, loras):
     before = LycorisRows.fingerprint_inputs(rows=rows)
     write(loras, installed["locon"], {k: v * 2 for k, v in load_file(str(loras / installed["locon"])).items()})
     assert LycorisRows.fingerprint_inputs(rows=rows) != before
+
+
+def comfy_fingerprint(node_class, inputs: dict):
+    """The fingerprint ComfyUI's own executor computes for a node of `node_class` with these prompt inputs (a link
+    is [node id, output]): execution.IsChangedCache, which passes linked inputs as None."""
+    prompt = {"1": {"class_type": "LycorisTextSource", "inputs": {}},
+              "2": {"class_type": node_class.__name__, "inputs": inputs}}
+    mappings = {**comfy_nodes.NODE_CLASS_MAPPINGS, node_class.__name__: node_class}
+    with patch.dict(comfy_nodes.NODE_CLASS_MAPPINGS, mappings):
+        cache = execution.IsChangedCache("fingerprint", DynamicPrompt(prompt), None)
+        return asyncio.run(cache.get("2"))
+
+
+@pytest.mark.parametrize("linked", ["lora_text", "lora_stack"])
+def test_a_file_named_by_a_link_and_rewritten_runs_the_node_again(sd15, installed, loras, linked, monkeypatch):
+    """A file named only by lora_text or lora_stack: ComfyUI fingerprints the node without the link's value, so
+    before the node has run the fingerprint cannot see the file; after it has run, rewriting the file under the
+    same name changes the fingerprint ComfyUI computes (the node runs again instead of being served from cache)."""
+    monkeypatch.setattr(row_loader, "LINKED_FILES", row_loader.LinkedFiles())  # no file from an earlier test
+    model, clip = sd15
+    name = installed["lokr_dora"]
+    value = {"lora_text": f"<lora:{name}:0.5>", "lora_stack": [(name, 0.5, 0.5)]}[linked]
+    inputs = {"model": ["1", 0], "clip": ["1", 0], "rows": "[]", linked: ["1", 0]}
+    assert comfy_fingerprint(LycorisRows, inputs) == [""]  # not run yet: the link's files are unknown
+    run(LycorisRows, model=model, clip=clip, rows="[]", **{linked: value})
+    before = comfy_fingerprint(LycorisRows, inputs)
+    assert comfy_fingerprint(LycorisRows, inputs) == before  # nothing rewritten: served from ComfyUI's cache
+    write(loras, name, {k: v * 2 for k, v in load_file(str(loras / name)).items()})
+    assert comfy_fingerprint(LycorisRows, inputs) != before
 
 
 # --- Wan 2.2 A14B's two experts ----------------------------------------------------------------------------------
