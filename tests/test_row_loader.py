@@ -20,7 +20,7 @@ import test_nodes
 import torch
 from comfy_execution.graph import DynamicPrompt
 from lycoris_nodes.lycoris_core import LycorisError
-from lycoris_nodes.nodes.loading import row_loader
+from lycoris_nodes.nodes.glue import inputs as glue_inputs
 from lycoris_nodes.nodes.loading.loaders import LycorisLoader, LycorisLoaderModelOnly
 from lycoris_nodes.nodes.loading.row_loader import LycorisExperts, LycorisRows
 from lycoris_nodes.nodes.loading.weighting import LycorisBlockWeights
@@ -234,22 +234,26 @@ def comfy_fingerprint(node_class, inputs: dict):
         return asyncio.run(cache.get("2"))
 
 
-@pytest.mark.parametrize("linked", ["lora_text", "lora_stack"])
-def test_a_file_named_by_a_link_and_rewritten_runs_the_node_again(sd15, installed, loras, linked, monkeypatch):
-    """A file named only by lora_text or lora_stack: ComfyUI fingerprints the node without the link's value, so
-    before the node has run the fingerprint cannot see the file; after it has run, rewriting the file under the
-    same name changes the fingerprint ComfyUI computes (the node runs again instead of being served from cache)."""
-    monkeypatch.setattr(row_loader, "LINKED_FILES", row_loader.LinkedFiles())  # no file from an earlier test
+@pytest.mark.parametrize("node, linked", [(LycorisRows, "lora_text"), (LycorisRows, "lora_stack"),
+                                          (LycorisApplyStack, "lora_stack")])
+def test_a_file_named_by_a_link_and_rewritten_runs_the_node_again(sd15, installed, loras, node, linked,
+                                                                  monkeypatch):
+    """A file named only by a linked lora_text or lora_stack (another pack's stacker, a text node): ComfyUI
+    fingerprints the node without the link's value, so before the node has run the fingerprint cannot see the file;
+    after it has run, rewriting the file under the same name changes the fingerprint ComfyUI computes (the node runs
+    again instead of being served from ComfyUI's cache)."""
+    monkeypatch.setattr(glue_inputs, "LINKED_FILES", glue_inputs.LinkedFiles())  # no file from an earlier test
     model, clip = sd15
     name = installed["lokr_dora"]
     value = {"lora_text": f"<lora:{name}:0.5>", "lora_stack": [(name, 0.5, 0.5)]}[linked]
-    inputs = {"model": ["1", 0], "clip": ["1", 0], "rows": "[]", linked: ["1", 0]}
-    assert comfy_fingerprint(LycorisRows, inputs) == [""]  # not run yet: the link's files are unknown
-    run(LycorisRows, model=model, clip=clip, rows="[]", **{linked: value})
-    before = comfy_fingerprint(LycorisRows, inputs)
-    assert comfy_fingerprint(LycorisRows, inputs) == before  # nothing rewritten: served from ComfyUI's cache
+    widgets = {"rows": "[]"} if node is LycorisRows else {}
+    inputs = {"model": ["1", 0], "clip": ["1", 0], linked: ["1", 0], **widgets}
+    assert comfy_fingerprint(node, inputs) == [""]  # not run yet: the link's files are unknown
+    run(node, model=model, clip=clip, **widgets, **{linked: value})
+    before = comfy_fingerprint(node, inputs)
+    assert comfy_fingerprint(node, inputs) == before  # nothing rewritten: served from ComfyUI's cache
     write(loras, name, {k: v * 2 for k, v in load_file(str(loras / name)).items()})
-    assert comfy_fingerprint(LycorisRows, inputs) != before
+    assert comfy_fingerprint(node, inputs) != before
 
 
 # --- Wan 2.2 A14B's two experts ----------------------------------------------------------------------------------

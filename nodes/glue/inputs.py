@@ -2,6 +2,9 @@
 (model, clip, file, strengths, strength and apply modes, block weights) and how a node names its file and its
 injection."""
 
+import threading
+from collections.abc import Iterable
+
 import folder_paths
 from comfy_api.latest import io
 
@@ -95,6 +98,45 @@ def fingerprint_by_file(cls, lycoris_name=None, **_inputs) -> str:
     not, so a file rewritten under the same name (a retrained LoRA) is read and checked again on the next run
     instead of the old result being served from ComfyUI's cache."""
     return file_stamp(lycoris_name)
+
+
+class LinkedFiles:
+    """The files this process's nodes have applied from linked inputs (a rows node's lora_text or lora_stack, LyCORIS
+    Apply Stack's lora_stack). ComfyUI computes a fingerprint before the links' values exist (execution.py
+    IsChangedCache: linked inputs reach `fingerprint_inputs` as None), so without these a file named only there and
+    rewritten under the same name (a retrained LoRA) would be served from ComfyUI's cache. Their stamps join the
+    fingerprint of every node that takes such links once one has run: a rewrite runs them all again (their other files
+    come from the file cache). Names only, one entry per file."""
+
+    def __init__(self) -> None:
+        self._names: set[str] = set()
+        self._lock = threading.Lock()  # prompts run on ComfyUI's worker thread, fingerprints are read beside them
+
+    def add(self, names: Iterable[str]) -> None:
+        with self._lock:
+            self._names.update(names)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._names)
+
+
+LINKED_FILES = LinkedFiles()
+
+
+def remember_linked(names: Iterable[str]) -> None:
+    """Files a node is about to apply from a linked input (see LinkedFiles)."""
+    LINKED_FILES.add(names)
+
+
+def stamps_with_linked(names: Iterable[str]) -> str:
+    """file_stamp of each file named, then of every file remembered from links: a node's fingerprint."""
+    return "\n".join(file_stamp(name) for name in [*names, *LINKED_FILES.names()])
+
+
+def fingerprint_by_links(cls, **_inputs) -> str:
+    """`fingerprint_inputs` of a node whose files all come from links (LyCORIS Apply Stack)."""
+    return stamps_with_linked(())
 
 
 BLOCK_WEIGHTS_TOOLTIP = (

@@ -15,7 +15,6 @@ sibling, and a file whose metadata names the other expert, are said in the row's
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 import comfy.model_base
@@ -34,12 +33,13 @@ from ..glue.inputs import (
     DEFAULT_APPLY_MODE,
     apply_mode_input,
     clip_input,
-    file_stamp,
     lycoris_path,
     mode_input,
     model_clip_outputs,
     model_input,
     node_key,
+    remember_linked,
+    stamps_with_linked,
 )
 from ..glue.lora_stack import LoraStack, StackRow, read_item
 from .experts import HIGH, LOW, find_pair, metadata_expert
@@ -260,38 +260,19 @@ def _row_files(rows: str, pairs: bool) -> list[str]:
     return names
 
 
-class LinkedFiles:
-    """The files the rows nodes of this process have applied from linked inputs (lora_text, lora_stack). ComfyUI
-    computes a fingerprint before the links' values exist (execution.py IsChangedCache: linked inputs reach
-    `fingerprint_inputs` as None), so without these a file named only there and rewritten under the same name (a
-    retrained LoRA) would be served from ComfyUI's cache. Their stamps join every rows node's fingerprint once one has
-    run: a rewrite re-runs them all (the others' files come from the file cache). Names only, at most one per file."""
-
-    def __init__(self) -> None:
-        self._names: set[str] = set()
-        self._lock = threading.Lock()  # prompts run on ComfyUI's worker thread, fingerprints are read beside them
-
-    def add(self, entries: list[Entry]) -> None:
-        with self._lock:
-            self._names.update(p.file for entry in entries if entry.source != "row" for p in entry.placements)
-
-    def names(self) -> list[str]:
-        with self._lock:
-            return sorted(self._names)
-
-
-LINKED_FILES = LinkedFiles()
-
-
 def fingerprint_rows(cls, rows="", **_inputs) -> str:
-    """fingerprint_by_file (glue/inputs.py) for every file the rows name and every file a rows node has applied from
-    its linked inputs (LinkedFiles): a file rewritten under the same name is read again."""
-    return "\n".join(file_stamp(name) for name in [*_row_files(str(rows), pairs=False), *LINKED_FILES.names()])
+    """fingerprint_by_file (glue/inputs.py) for every file the rows name and every file a node has applied from
+    linked inputs (glue/inputs.py LinkedFiles): a file rewritten under the same name is read again."""
+    return stamps_with_linked(_row_files(str(rows), pairs=False))
 
 
 def fingerprint_expert_rows(cls, rows="", **_inputs) -> str:
     """fingerprint_rows with the siblings the experts node finds for them."""
-    return "\n".join(file_stamp(name) for name in [*_row_files(str(rows), pairs=True), *LINKED_FILES.names()])
+    return stamps_with_linked(_row_files(str(rows), pairs=True))
+
+
+def remember_linked_files(entries: list[Entry]) -> None:
+    remember_linked(p.file for entry in entries if entry.source != "row" for p in entry.placements)
 
 
 def validate_rows(cls, rows=None) -> bool | str:
@@ -355,7 +336,7 @@ class LycorisRows(io.ComfyNode):
         for entry, row in entries:
             place_on_one_model(entry, row)
         check_files([entry for entry, _row in entries])
-        LINKED_FILES.add([entry for entry, _row in entries])
+        remember_linked_files([entry for entry, _row in entries])
         done = apply_entries([entry for entry, _row in entries], {None: model}, clip, strength_mode, apply_mode,
                              node_key(cls))
         return io.NodeOutput(done.models[None], done.clip, out_stack(lora_stack, entries), ", ".join(done.words),
@@ -413,7 +394,7 @@ class LycorisExperts(io.ComfyNode):
         for entry, row in entries:
             place_on_experts(entry, row, listed)
         check_files([entry for entry, _row in entries])
-        LINKED_FILES.add([entry for entry, _row in entries])
+        remember_linked_files([entry for entry, _row in entries])
         done = apply_entries([entry for entry, _row in entries], {HIGH: model_high, LOW: model_low}, clip,
                              strength_mode, apply_mode, node_key(cls))
         return io.NodeOutput(done.models[HIGH], done.models[LOW], done.clip, ", ".join(done.words),

@@ -16,11 +16,13 @@ from ..glue.inputs import (
     apply_mode_input,
     clip_input,
     file_stamp,
+    fingerprint_by_links,
     lycoris_path,
     mode_input,
     model_clip_outputs,
     model_input,
     node_key,
+    remember_linked,
 )
 from ..glue.lora_stack import LoraStack, StackRow, read_item
 
@@ -104,12 +106,15 @@ class LycorisApplyStack(io.ComfyNode):
             hidden=[io.Hidden.unique_id],
         )
 
+    fingerprint_inputs = classmethod(fingerprint_by_links)
+
     @classmethod
     def execute(cls, model, lora_stack, clip=None, strength_mode="linear", apply_mode=DEFAULT_APPLY_MODE):
         reference = strength_mode == "lycoris"
         node = node_key(cls)
         lines = []
         rows = [read_item(row, i) for i, row in enumerate(lora_stack, start=1)]  # all checked before any applies
+        remember_linked(row[0] for row in rows)
         for i, (name, strength_model, strength_clip) in enumerate(rows):
             if is_off(strength_model, reference) and is_off(strength_clip, reference):
                 continue
