@@ -202,4 +202,8 @@ def test_convert_gives_the_declared_reasons():
             assert peft == algorithm.no_peft_form, name
         if algorithm.no_kohya_form is not None:
             assert kohya == algorithm.no_kohya_form, name
+        else:  # the kohya form keeps the file's tensor names, but for the declared renames
+            renames = dict(algorithm.kohya_renames)
+            assert {renames.get(k, k) for k in module.tensors} <= set(kohya.tensors), name
+            assert not set(renames) & set(kohya.tensors), name
         assert isinstance(peft, Converted | str) and isinstance(kohya, Converted | str), name

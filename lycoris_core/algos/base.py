@@ -119,6 +119,9 @@ class Algorithm:
     # (no_kohya_form), for the Convert tool (tools/convert.py); None where it may have one
     no_peft_form: str | None = None
     no_kohya_form: str | None = None
+    # tensor names its kohya form writes differently (Convert to kohya): LightX2V's `diff_m` becomes `diff` on the
+    # parameter's own name (`….modulation.diff`), as ComfyUI's generic key map names a non-.weight parameter
+    kohya_renames: tuple[tuple[str, str], ...] = ()  # (file's tensor name, kohya form's), ...
 
     def __post_init__(self) -> None:
         if self.patch_16bit_by_rows and self.row_adder is None:

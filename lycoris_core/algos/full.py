@@ -18,7 +18,8 @@ from ..casting import add_scaled
 from .base import Algorithm, Layout, Tensors, narrowed_rows, require
 
 
-def _difference(key: str, param: str, label: str, no_peft_form: str, split: bool = False) -> Algorithm:
+def _difference(key: str, param: str, label: str, no_peft_form: str, split: bool = False,
+                kohya_key: str | None = None) -> Algorithm:
     def layout(t: Tensors, alpha: float | None) -> Layout:
         (diff,) = require(t, key)
         return Layout(None, 1.0, diff.shape[0] if diff.ndim else 1, shape=tuple(diff.shape))
@@ -32,7 +33,7 @@ def _difference(key: str, param: str, label: str, no_peft_form: str, split: bool
     name = key.replace("_", "-")
     return Algorithm(name=name, label=label, markers=(key,), keys=(key,), layout=layout,
                      add_into=add_into, dense=(key,), param=param, uses_alpha=False, rows=rows if split else None,
-                     no_peft_form=no_peft_form)
+                     no_peft_form=no_peft_form, kohya_renames=((key, kohya_key),) if kohya_key else ())
 
 
 # a weight's and a bias's difference split by output rows; a norm layer's is never part of a fused projection
@@ -44,5 +45,7 @@ NORM_BIAS = _difference("b_norm", "bias", "Norm (bias)", "a norm-layer bias diff
 # LightX2V's distill LoRAs (ModelTC/LightX2V tools/extract/lora_extractor.py `_generate_lora_diff_key`: a Wan
 # block's `modulation` parameter, shape (1, 6, dim), written as `<block>.diff_m`; lightx2v/utils/lora_loader.py
 # `apply_lora` adds it as param += diff·strength, like `.diff`): the block's own parameter, no Linear or Conv forward
+# Convert writes it for kohya as `diff` on the parameter's own name (`….modulation.diff`), how ComfyUI's generic key map
+# names a parameter that is no `.weight`.
 MODULATION = _difference("diff_m", "modulation", "Full (modulation)", "a full difference of a modulation parameter "
-                         "(LightX2V's diff_m) has no PEFT adapter form")
+                         "(LightX2V's diff_m) has no PEFT adapter form", kohya_key="diff")

@@ -153,7 +153,7 @@ def to_peft(module: Module, plan: Plan, shape: tuple[int, ...], weight: torch.Te
     algorithm = BY_NAME[name]
     if algorithm.no_peft_form is not None:
         return algorithm.no_peft_form
-    if algorithm.no_kohya_form is not None or name.startswith("peft-"):
+    if algorithm.no_kohya_form is not None:  # PEFT's own algorithms: every one declares it
         return f"{module.label} is PEFT's own form; only LoRA converts between PEFT files here"
     if plan.dora_axis is not None and plan.dora_axis != OUT:
         return IN_AXIS_DORA
@@ -186,12 +186,11 @@ def with_identity_magnitude(converted: Converted, change: "Factors | torch.Tenso
 def to_kohya(module: Module, plan: Plan, shape: tuple[int, ...]) -> Converted | str:
     """The module under kohya/LyCORIS suffixes, or the reason it has none. LyCORIS' own algorithms keep their
     tensors; a PEFT LoRA gets its scale as alpha = s·r and its magnitude as an out-axis dora_scale (out, 1…)."""
-    name = plan.algorithm
-    if BY_NAME[name].no_kohya_form is not None:
-        return BY_NAME[name].no_kohya_form
-    if name == "diff-m":  # named after the parameter itself, as ComfyUI's generic key map names it (`….modulation`)
-        return Converted({"diff": module.tensors["diff_m"]}, None, None, "diff (on the parameter's own name)")
-    tensors = {k: t for k, t in module.tensors.items() if k != DORA_SCALE}
+    algorithm = BY_NAME[plan.algorithm]
+    if algorithm.no_kohya_form is not None:
+        return algorithm.no_kohya_form
+    renames = dict(algorithm.kohya_renames)
+    tensors = {renames.get(k, k): t for k, t in module.tensors.items() if k != DORA_SCALE}
     if plan.dora_axis is not None:
         scale = module.tensors[DORA_SCALE]
         tensors[DORA_SCALE] = (scale.reshape(shape[0], *[1] * (len(shape) - 1)) if plan.dora_axis == OUT else scale)
