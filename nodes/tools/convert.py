@@ -182,19 +182,21 @@ def _plan_parts(module_key: str, applied: Applied, parts: list[RowPart], model, 
     """A module on a weight diffusers splits (Flux's qkv into to_q/to_k/to_v): one LoRA per part, its lora_B
     rows (and DoRA magnitude rows) the part's rows, lora_A shared. ΔW's rows are exactly up's rows times down,
     and DoRA normalises each output row on its own, so the parts together are the module exactly."""
-    covered = sum(length for _s, length, _n in parts)
+    covered = sum(part.length for part in parts)
     if covered != applied.target.shape[0]:
         return (f"diffusers names cover rows 0..{covered} of {applied.target.key}, which has "
                 f"{applied.target.shape[0]}: the rest could not be written")
-    taken_by = [taken[name, applied.module.param] for _s, _l, name in parts if (name, applied.module.param) in taken]
+    param = applied.module.param
+    taken_by = [taken[part.name, param] for part in parts if (part.name, param) in taken]
     if taken_by:
         return ONE_NAME.format(other=taken_by[0])
     result = convert_module(applied, convert.DIFFUSERS, weight_of(applied, model, clip))
     if isinstance(result, str):
         return result
-    for start, length, name in parts:
-        taken[name, applied.module.param] = module_key
-        planned.append(Planned(module_key, name, convert.row_part(result, start, length), applied, (start, length)))
+    for part in parts:
+        taken[part.name, param] = module_key
+        planned.append(Planned(module_key, part.name, convert.row_part(result, part.start, part.length), applied,
+                               (part.start, part.length)))
     return None
 
 
