@@ -239,21 +239,29 @@ def comfy_fingerprint(node_class, inputs: dict):
 def test_a_file_named_by_a_link_and_rewritten_runs_the_node_again(sd15, installed, loras, node, linked,
                                                                   monkeypatch):
     """A file named only by a linked lora_text or lora_stack (another pack's stacker, a text node): ComfyUI
-    fingerprints the node without the link's value, so before the node has run the fingerprint cannot see the file;
-    after it has run, rewriting the file under the same name changes the fingerprint ComfyUI computes (the node runs
-    again instead of being served from ComfyUI's cache)."""
+    fingerprints the node without the link's value (execution.IsChangedCache). The node's fingerprint stays what it
+    was when the node ran (queued again unchanged, it is served from ComfyUI's cache, and so is what follows it);
+    rewriting the file under the same name changes it once (the node runs again), and every later rewrite to a value
+    never seen before."""
     monkeypatch.setattr(glue_inputs, "LINKED_FILES", glue_inputs.LinkedFiles())  # no file from an earlier test
     model, clip = sd15
     name = installed["lokr_dora"]
     value = {"lora_text": f"<lora:{name}:0.5>", "lora_stack": [(name, 0.5, 0.5)]}[linked]
     widgets = {"rows": "[]"} if node is LycorisRows else {}
     inputs = {"model": ["1", 0], "clip": ["1", 0], linked: ["1", 0], **widgets}
-    assert comfy_fingerprint(node, inputs) == [""]  # not run yet: the link's files are unknown
+
+    def rewrite(factor: float) -> None:
+        write(loras, name, {k: v * factor for k, v in load_file(str(loras / name)).items()})
+
+    queued = comfy_fingerprint(node, inputs)  # the first queue: computed before the node runs
     run(node, model=model, clip=clip, **widgets, **{linked: value})
-    before = comfy_fingerprint(node, inputs)
-    assert comfy_fingerprint(node, inputs) == before  # nothing rewritten: served from ComfyUI's cache
-    write(loras, name, {k: v * 2 for k, v in load_file(str(loras / name)).items()})
-    assert comfy_fingerprint(node, inputs) != before
+    assert comfy_fingerprint(node, inputs) == queued  # queued again, nothing rewritten: cached
+    rewrite(2.0)
+    after_rewrite = comfy_fingerprint(node, inputs)
+    assert after_rewrite != queued
+    assert comfy_fingerprint(node, inputs) == after_rewrite  # and then cached again
+    rewrite(0.5)
+    assert comfy_fingerprint(node, inputs) not in (queued, after_rewrite)
 
 
 # --- Wan 2.2 A14B's two experts ----------------------------------------------------------------------------------

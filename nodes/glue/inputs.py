@@ -104,34 +104,46 @@ class LinkedFiles:
     """The files this process's nodes have applied from linked inputs (a rows node's lora_text or lora_stack, LyCORIS
     Apply Stack's lora_stack). ComfyUI computes a fingerprint before the links' values exist (execution.py
     IsChangedCache: linked inputs reach `fingerprint_inputs` as None), so without these a file named only there and
-    rewritten under the same name (a retrained LoRA) would be served from ComfyUI's cache. Their stamps join the
-    fingerprint of every node that takes such links once one has run: a rewrite runs them all again (their other files
-    come from the file cache). Names only, one entry per file."""
+    rewritten under the same name (a retrained LoRA) would be served from ComfyUI's cache.
+
+    Each file keeps the stamp it had when first applied and a count of the rewrites seen since. The fingerprint of
+    every node that takes such links lists the files rewritten at least once with their counts: remembering a new file
+    changes nothing (an unchanged workflow queued again stays cached), a rewrite changes every such node's fingerprint
+    once (they run again; the others' files come from the file cache), and the count only grows, so a later
+    fingerprint never equals one from before the rewrite (which an LRU cache could still hold)."""
 
     def __init__(self) -> None:
-        self._names: set[str] = set()
+        self._seen: dict[str, tuple[str, int]] = {}  # name -> (stamp, rewrites seen)
         self._lock = threading.Lock()  # prompts run on ComfyUI's worker thread, fingerprints are read beside them
 
     def add(self, names: Iterable[str]) -> None:
         with self._lock:
-            self._names.update(names)
+            for name in names:
+                if name not in self._seen:
+                    self._seen[name] = (file_stamp(name), 0)
 
-    def names(self) -> list[str]:
+    def rewrites(self) -> list[str]:
+        """`name#count` of each remembered file rewritten since it was first applied, in name order."""
         with self._lock:
-            return sorted(self._names)
+            for name, (stamp, count) in self._seen.items():
+                now = file_stamp(name)
+                if now != stamp:
+                    self._seen[name] = (now, count + 1)
+            return [f"{name}#{count}" for name, (_stamp, count) in sorted(self._seen.items()) if count]
 
 
 LINKED_FILES = LinkedFiles()
 
 
 def remember_linked(names: Iterable[str]) -> None:
-    """Files a node is about to apply from a linked input (see LinkedFiles)."""
+    """Files a node is about to read and apply from a linked input (see LinkedFiles): called before they are read,
+    so a rewrite in between counts as one."""
     LINKED_FILES.add(names)
 
 
 def stamps_with_linked(names: Iterable[str]) -> str:
-    """file_stamp of each file named, then of every file remembered from links: a node's fingerprint."""
-    return "\n".join(file_stamp(name) for name in [*names, *LINKED_FILES.names()])
+    """A node's fingerprint: file_stamp of each file named, then the rewrites of files remembered from links."""
+    return "\n".join([*(file_stamp(name) for name in names), *LINKED_FILES.rewrites()])
 
 
 def fingerprint_by_links(cls, **_inputs) -> str:

@@ -335,8 +335,8 @@ class LycorisRows(io.ComfyNode):
         entries = gather(rows, lora_text, lora_stack)
         for entry, row in entries:
             place_on_one_model(entry, row)
-        check_files([entry for entry, _row in entries])
         remember_linked_files([entry for entry, _row in entries])
+        check_files([entry for entry, _row in entries])
         done = apply_entries([entry for entry, _row in entries], {None: model}, clip, strength_mode, apply_mode,
                              node_key(cls))
         return io.NodeOutput(done.models[None], done.clip, out_stack(lora_stack, entries), ", ".join(done.words),
@@ -393,8 +393,8 @@ class LycorisExperts(io.ComfyNode):
         listed = folder_paths.get_filename_list(lora_files.FOLDER)
         for entry, row in entries:
             place_on_experts(entry, row, listed)
-        check_files([entry for entry, _row in entries])
         remember_linked_files([entry for entry, _row in entries])
+        check_files([entry for entry, _row in entries])
         done = apply_entries([entry for entry, _row in entries], {HIGH: model_high, LOW: model_low}, clip,
                              strength_mode, apply_mode, node_key(cls))
         return io.NodeOutput(done.models[HIGH], done.models[LOW], done.clip, ", ".join(done.words),
