@@ -226,6 +226,7 @@ def test_fingerprint_follows_a_rewritten_file(installed, loras):
 def comfy_fingerprint(node_class, inputs: dict):
     """The fingerprint ComfyUI's own executor computes for a node of `node_class` with these prompt inputs (a link
     is [node id, output]): execution.IsChangedCache, which passes linked inputs as None."""
+    # node "1" only stands at the other end of the links: IsChangedCache reads node "2" alone
     prompt = {"1": {"class_type": "LycorisTextSource", "inputs": {}},
               "2": {"class_type": node_class.__name__, "inputs": inputs}}
     mappings = {**comfy_nodes.NODE_CLASS_MAPPINGS, node_class.__name__: node_class}

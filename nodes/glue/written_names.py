@@ -45,11 +45,12 @@ def file_names(key_map: Mapping) -> dict[str, str]:
 
     names: dict[str, str] = {}
     for name, target in key_map.items():
-        if not isinstance(name, str) or not PatchKey.from_comfy(target).is_whole:
+        key = PatchKey.from_comfy(target)
+        if not isinstance(name, str) or not key.is_whole:
             continue
-        current = names.get(target)
+        current = names.get(key.weight)
         if current is None or rank(name) < rank(current):
-            names[target] = name
+            names[key.weight] = name
     return names
 
 
@@ -74,11 +75,12 @@ def diffusers_names(key_map: Mapping) -> dict[str, str]:
     `text_encoder[_N].…`): among the plain diffusers names the key map gives the whole weight, the first listed."""
     names: dict[str, str] = {}
     for name, target in key_map.items():
-        if not _plain_diffusers_name(name) or not PatchKey.from_comfy(target).is_whole:
+        key = PatchKey.from_comfy(target)
+        if not _plain_diffusers_name(name) or not key.is_whole:
             continue
-        current = names.get(target)
+        current = names.get(key.weight)
         if current is None or _diffusers_rank(name) < _diffusers_rank(current):
-            names[target] = name
+            names[key.weight] = name
     return names
 
 
